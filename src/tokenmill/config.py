@@ -1,0 +1,89 @@
+"""Frozen, validated configuration. Pure Python: bad values raise ValueError naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Reserve = Literal["none", "worst_case"]
+_RESERVE_CHOICES = ("none", "worst_case")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV block pool: ``num_blocks`` blocks of ``block_size`` tokens each."""
+
+    block_size: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_blocks", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    reserve: Reserve = "none"
+    max_num_preemptions: int = 32  # a request preempted more often than this ends with an error
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_num_preemptions", self.max_num_preemptions)
+        if self.reserve not in _RESERVE_CHOICES:
+            raise ValueError(f"reserve must be one of {_RESERVE_CHOICES}, got {self.reserve!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user can set when building an engine (``LLM(...)`` keywords and CLI flags).
+
+    ``None`` means "derive it": ``max_model_len`` from the model, ``num_kv_blocks`` from
+    ``kv_cache_memory_bytes`` or else ``kv_cache_memory_fraction`` of free memory, ``dtype`` and
+    ``device`` from the hardware (fp32 on CPU, bf16 on CUDA).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    reserve: Reserve = "none"
+    max_num_preemptions: int = 32
+    seed: int = 0
+    quantization: str | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_preemptions", self.max_num_preemptions)
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        if self.reserve not in _RESERVE_CHOICES:
+            raise ValueError(f"reserve must be one of {_RESERVE_CHOICES}, got {self.reserve!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,104 @@
+"""The one contract between the scheduler and the model runner. Pure Python, no torch.
+
+Each engine step:
+
+1. ``Scheduler.schedule()`` returns a :class:`SchedulerOutput`: the rows of this iteration's flat batch, in
+   order, each with the tokens to compute now and the block table their keys and values live in (blocks for
+   every new token are already allocated).
+2. ``ModelRunner.execute(scheduler_output)`` builds tensors from it, runs the model, samples one token for
+   each row with ``sample=True`` and returns a :class:`ModelRunnerOutput` (``sampled`` in row order).
+3. ``Scheduler.update_from_output(scheduler_output, runner_output, now_s)`` appends the sampled tokens,
+   advances ``num_computed_tokens``, finishes requests (freeing their blocks at once: the forward that
+   read them is over) and returns the requests touched this step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.request import Request
+
+
+class IdleReason(enum.Enum):
+    """Why a row that could have run (one of ``max_num_seqs``) did not compute a token this step."""
+
+    QUEUE_EMPTY = "queue_empty"  # nobody waiting to be admitted
+    KV_POOL_FULL = "kv_pool_full"  # a waiting request did not fit in the free blocks
+    KV_RESERVED = "kv_reserved"  # it would fit if worst-case reservations did not hold unused blocks
+    TOKEN_BUDGET = "token_budget"  # max_num_batched_tokens spent
+    PREEMPTED = "preempted"  # admission paused because this step preempted
+    MAX_NUM_SEQS = "max_num_seqs"  # rows beyond max_num_seqs that a wider batch would have filled
+
+
+@dataclass
+class ScheduledRow:
+    """One row of the flat batch: ``token_ids`` at positions ``start_position ..`` of ``request``."""
+
+    request: Request  # read-only for the runner
+    token_ids: list[int]  # the tokens computed now (a prompt chunk, a re-prefill, or the last sampled token)
+    start_position: int  # == request.num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table, covering start_position + len(token_ids)
+    sample: bool  # True when this row's last token is the sequence's last: a new token is wanted
+    is_prefill: bool  # True while computing prompt (or recomputed) tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step: keys/values the row's last token attends to."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class StepRecord:
+    """What one iteration did, for stats and benchmarks (the seed's per-iteration record)."""
+
+    batch_size: int = 0  # rows computed
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_rows_possible: int = 0  # max_num_seqs
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again because of a preemption
+    idle_rows: dict[IdleReason, int] = field(default_factory=dict)
+    preempted_ids: list[str] = field(default_factory=list)
+    admitted_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow]
+    record: StepRecord
+    finished_ids: list[str] = field(default_factory=list)  # ended during scheduling (preemption bound)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class SampledToken:
+    """The runner's answer for one row with ``sample=True``."""
+
+    token_id: int
+    logprob: float | None = None  # the sampled token's log-probability (raw model distribution)
+    top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), best first, k of them
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> sampled token, for rows with sample=True
+    sampled: dict[str, SampledToken]
+    # request_id -> per prompt token [(token_id, logprob, top-k list)], only for requests that asked
+    prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)

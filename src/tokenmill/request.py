@@ -1,0 +1,162 @@
+"""A request and its status: the one owner of per-request state.
+
+Status changes only through :meth:`Request.transition`, which consults ``_TRANSITIONS``::
+
+    WAITING  -> RUNNING                      admitted by the scheduler
+    WAITING  -> FINISHED_ABORTED             aborted before (re-)admission
+    RUNNING  -> WAITING                      preempted by recompute (blocks dropped)
+    RUNNING  -> FINISHED_STOPPED             EOS, a stop token or a stop string
+    RUNNING  -> FINISHED_LENGTH              max_tokens or max_model_len reached
+    RUNNING  -> FINISHED_ABORTED             aborted by the caller, or preempted too often (``error`` says so)
+
+Any other change raises ``RuntimeError``: it is a bug, not bad input. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's name for a terminal status: "stop", "length" or "abort"; None while unfinished."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.RUNNING: frozenset(
+        {
+            RequestStatus.WAITING,
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        }
+    ),
+    RequestStatus.FINISHED_STOPPED: frozenset(),
+    RequestStatus.FINISHED_LENGTH: frozenset(),
+    RequestStatus.FINISHED_ABORTED: frozenset(),
+}
+
+
+@dataclass
+class Request:
+    """All the state of one request. Other modules read it and change it only through its methods.
+
+    Token accounting (``num_tokens = len(prompt) + len(output)``)::
+
+        | prompt_token_ids ............ | output_token_ids ...... |
+        |<---- num_computed_tokens ---->|  (KV written for these)
+                                        |<- new this step ->|
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time_s: float = 0.0
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)  # written only by the KV-cache manager
+    num_reserved_blocks: int = 0  # worst-case admission: blocks held beyond block_ids
+    num_preemptions: int = 0
+    num_returned_tokens: int = 0  # tokens already handed to the caller (never handed twice)
+    first_token_time_s: float | None = None
+    last_token_time_s: float | None = None
+    finished_time_s: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # set when the engine, not the caller, aborted it
+    # Set by the engine's output side: text so far and logprobs per output token (opaque to the scheduler).
+    output_text: str = ""
+    output_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    detokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+
+    # --- status -------------------------------------------------------------------------------
+    def transition(self, new_status: RequestStatus) -> None:
+        if new_status not in _TRANSITIONS[self.status]:
+            raise RuntimeError(
+                f"request {self.request_id!r}: illegal transition {self.status.name} -> {new_status.name}"
+            )
+        self.status = new_status
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.error is not None and self.status is RequestStatus.FINISHED_ABORTED:
+            return "error"
+        return self.status.finish_reason
+
+    # --- tokens -------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most tokens this request may generate: its worst case."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is not yet in the cache (the whole sequence again after a preemption)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_output_token(self, token_id: int, now_s: float) -> None:
+        if self.status is not RequestStatus.RUNNING:
+            raise RuntimeError(f"request {self.request_id!r}: token appended while {self.status.name}")
+        self.output_token_ids.append(token_id)
+        if self.first_token_time_s is None:
+            self.first_token_time_s = now_s
+        self.last_token_time_s = now_s
+
+    def take_new_token_ids(self) -> list[int]:
+        """Output tokens not yet handed to the caller; marks them handed."""
+        new = self.output_token_ids[self.num_returned_tokens :]
+        self.num_returned_tokens = len(self.output_token_ids)
+        return new
