@@ -1,0 +1,26 @@
+# Thin wrappers: each target does its own set-up (scripts/setup.sh is idempotent).
+PY := .venv/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup chat serve test test-slow lint bench
+
+setup:
+	@bash scripts/setup.sh
+
+chat: setup
+	.venv/bin/tokenmill chat "$(PROMPT)"
+
+serve: setup
+	.venv/bin/tokenmill serve
+
+test: setup
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+test-slow: setup
+	$(PY) -m pytest -q -m "slow and not gpu" || [ $$? -eq 5 ]
+
+lint: setup
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+
+bench: setup
+	.venv/bin/tokenmill bench batching

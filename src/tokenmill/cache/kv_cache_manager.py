@@ -1,0 +1,198 @@
+"""Per-request block tables on top of the :class:`BlockPool`. Pure Python, no torch.
+
+The manager is the only writer of ``Request.block_ids`` and ``Request.num_reserved_blocks``. It tracks
+every request that holds blocks or a reservation, by id, until :meth:`KVCacheManager.free`.
+
+Two admission policies (``reserve``):
+
+* ``"none"`` (vLLM, nano-vllm): allocate only what the tokens of this step need, a block at a time as a
+  request crosses a block boundary. The pool is never booked for text nobody generates, but a decode can
+  find the pool dry, which is what preemption is for.
+* ``"worst_case"`` (TGI, the seed's Day 32): the first allocation books blocks for the request's worst case,
+  ``prompt + max_tokens`` tokens; later growth draws from that reservation and can never fail. Reserved
+  blocks stay physically in the pool's free queue: the manager only counts them, so
+  ``num_free_blocks = pool free - reserved but unused``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tokenmill.cache.block_pool import BlockPool
+from tokenmill.config import CacheConfig
+from tokenmill.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, cache_config: CacheConfig, reserve: Literal["none", "worst_case"] = "none") -> None:
+        if reserve not in ("none", "worst_case"):
+            raise ValueError(f"reserve must be 'none' or 'worst_case', got {reserve!r}")
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks
+        self.reserve = reserve
+        self.pool = BlockPool(cache_config.num_blocks)
+        self._requests: dict[str, Request] = {}  # requests holding blocks or a reservation
+        self._num_reserved_unused = 0  # sum of num_reserved_blocks over tracked requests
+
+    # --- accounting ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks any request may take now: the pool's free blocks less the unused reservations."""
+        return self.pool.num_free_blocks - self._num_reserved_unused
+
+    @property
+    def num_reserved_unused_blocks(self) -> int:
+        return self._num_reserved_unused
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use or booked by a reservation."""
+        return (self.pool.num_used_blocks + self._num_reserved_unused) / self.num_blocks
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)
+
+    def owns_blocks(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def max_blocks(self, request: Request) -> int:
+        """Blocks the request's worst case (``prompt + max_tokens``) covers: what worst-case admission books."""
+        return self.blocks_for_tokens(request.max_num_tokens)
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """New blocks for the table to cover ``num_computed_tokens + num_new_tokens`` token slots.
+
+        ::
+
+            token slots: 0                  num_computed     num_computed + num_new
+                         |<--- computed --->|<---- new ---->|
+            block table: [ block 0 ][ block 1 ][ block 2 ]  [ needed ][ lookahead ] [ reserved ]
+                         |<---- len(block_ids) blocks ---->|  (allocated) (free only)  (worst_case)
+
+        ``allocate_slots`` allocates the *needed* blocks; *lookahead* blocks must only be free;
+        under ``worst_case`` the request's *reserved* blocks are booked for it and drawn first.
+        """
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, self.blocks_for_tokens(total) - len(request.block_ids))
+
+    def _demand(self, request: Request, num_new_tokens: int, num_lookahead_blocks: int) -> tuple[int, int]:
+        """(blocks to allocate now, blocks to take out of the shared free count in all)."""
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        # Lookahead (room to keep going after this step) never reaches past the worst case: a request
+        # admitted under add_request's "fits in the whole pool" check must always fit in an empty pool.
+        table_after = len(request.block_ids) + needed
+        lookahead = max(0, min(num_lookahead_blocks, self.max_blocks(request) - table_after))
+        if self.reserve == "worst_case" and request.request_id not in self._requests:
+            # First allocation: book the whole worst case (or more, if asked for more).
+            total = max(self.max_blocks(request), needed + lookahead)
+            return needed, total
+        # Later growth draws on the request's own reservation before the shared free blocks.
+        return needed, max(0, needed + lookahead - request.num_reserved_blocks)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, num_lookahead_blocks: int = 0) -> bool:
+        _, shared = self._demand(request, num_new_tokens, num_lookahead_blocks)
+        return shared <= self.num_free_blocks
+
+    def would_fit_without_reservations(
+        self, request: Request, num_new_tokens: int, num_lookahead_blocks: int = 0
+    ) -> bool:
+        """Whether the blocks these tokens need (no worst-case booking) fit in every block nobody writes.
+
+        Tells a pool held by worst-case reservations (``IdleReason.KV_RESERVED``) from a full one.
+        """
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        table_after = len(request.block_ids) + needed
+        lookahead = max(0, min(num_lookahead_blocks, self.max_blocks(request) - table_after))
+        return needed + lookahead <= self.pool.num_free_blocks
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, num_lookahead_blocks: int = 0
+    ) -> list[int] | None:
+        """Grow ``request.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` token slots.
+
+        Returns the newly added block ids (possibly none), or ``None`` when they do not fit right now,
+        leaving everything unchanged. ``num_lookahead_blocks`` asks that this many more blocks be free
+        too (not allocated): a preempted request is re-admitted only when it can make progress.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        needed, shared = self._demand(request, num_new_tokens, num_lookahead_blocks)
+        if shared > self.num_free_blocks:
+            return None
+        first = request.request_id not in self._requests
+        if first and (request.block_ids or request.num_reserved_blocks):
+            raise RuntimeError(f"request {request.request_id!r} holds blocks the manager does not track")
+        if first and self.reserve == "worst_case":
+            reserved_total = shared  # booked now, allocated below as it is needed
+        else:
+            reserved_total = request.num_reserved_blocks
+        new_blocks = self.pool.allocate(needed)
+        if new_blocks is None:  # cannot happen: shared <= free and reservations are in the free queue
+            raise RuntimeError(
+                f"pool short of blocks for {request.request_id!r} although accounting said it fits"
+            )
+        from_reservation = min(needed, reserved_total)
+        new_reserved = reserved_total - from_reservation
+        self._num_reserved_unused += new_reserved - request.num_reserved_blocks
+        request.num_reserved_blocks = new_reserved
+        request.block_ids.extend(new_blocks)
+        self._requests[request.request_id] = request
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Give back all of the request's blocks (tail first) and its reservation. No-op if it holds none."""
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is None:
+            if request.block_ids or request.num_reserved_blocks:
+                raise RuntimeError(f"request {request.request_id!r} holds blocks the manager does not track")
+            return
+        if tracked is not request:
+            raise RuntimeError(f"two requests share the id {request.request_id!r}")
+        self.pool.free(request.block_ids)
+        self._num_reserved_unused -= request.num_reserved_blocks
+        request.block_ids = []
+        request.num_reserved_blocks = 0
+
+    # --- checks -------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless pool, block tables and reservations agree."""
+        self.pool.check_integrity()
+        owners: dict[int, int] = {}
+        num_reserved = 0
+        for request_id, request in self._requests.items():
+            if request.request_id != request_id:
+                raise RuntimeError(f"request tracked under {request_id!r} is {request.request_id!r}")
+            if request.num_reserved_blocks < 0:
+                raise RuntimeError(f"request {request_id!r} has a negative reservation")
+            if len(request.block_ids) * self.block_size < request.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {request_id!r}: {len(request.block_ids)} blocks cannot hold "
+                    f"{request.num_computed_tokens} computed tokens"
+                )
+            num_reserved += request.num_reserved_blocks
+            for b in request.block_ids:
+                owners[b] = owners.get(b, 0) + 1
+        if num_reserved != self._num_reserved_unused:
+            raise RuntimeError(
+                f"reservations sum to {num_reserved}, counter says {self._num_reserved_unused}"
+            )
+        if self._num_reserved_unused > self.pool.num_free_blocks:
+            raise RuntimeError(
+                f"{self._num_reserved_unused} blocks reserved but only {self.pool.num_free_blocks} free"
+            )
+        if len(owners) != self.pool.num_used_blocks:
+            raise RuntimeError(
+                f"{self.pool.num_used_blocks} blocks in use but {len(owners)} owned by block tables"
+            )
+        for b, n in owners.items():
+            if self.pool.ref_count(b) != n:
+                raise RuntimeError(f"block {b}: reference count {self.pool.ref_count(b)}, {n} owner(s)")

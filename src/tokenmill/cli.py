@@ -1,0 +1,140 @@
+"""`tokenmill generate | chat | serve | bench batching | bench serve`: builds configs, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig flags shared by every command that builds an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
+    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from tokenmill.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        reserve=args.reserve,
+        quantization=getattr(args, "quantization", None),
+        num_threads=getattr(args, "num_threads", None),
+    )
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _run_generate(args: argparse.Namespace, chat: bool) -> int:
+    from tokenmill.engine import Engine
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    engine = Engine(engine_config_from_args(args))
+    if chat:
+        messages = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": args.message})
+        prompt: Any = engine.tokenizer.encode_chat(messages)
+    else:
+        prompt = args.prompt
+    request_id = engine.add_request(prompt, params)
+    finish_reason = None
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            if delta.request_id != request_id:
+                continue
+            sys.stdout.write(delta.new_text)
+            sys.stdout.flush()
+            if delta.finished:
+                finish_reason = delta.finish_reason
+    sys.stdout.write("\n")
+    if args.verbose:
+        print(f"[finish_reason={finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming tokens to the terminal")
+    gen.add_argument("prompt")
+    _add_sampling_arguments(gen)
+    gen.add_argument("-v", "--verbose", action="store_true")
+    add_engine_arguments(gen)
+    gen.set_defaults(func=lambda a: _run_generate(a, chat=False))
+
+    chat = sub.add_parser("chat", help="answer one message through the model's chat template, streaming")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None, help="an optional system message")
+    _add_sampling_arguments(chat)
+    chat.add_argument("-v", "--verbose", action="store_true")
+    add_engine_arguments(chat)
+    chat.set_defaults(func=lambda a: _run_generate(a, chat=True))
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from tokenmill.server.launch import add_serve_arguments, run_serve
+
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench.batching_cli import add_bench_batching_arguments, run_bench_batching
+
+    batching = bench.add_parser("batching", help="static vs continuous batching on one clock (the seed's table)")
+    add_bench_batching_arguments(batching)
+    batching.set_defaults(func=run_bench_batching)
+    from tokenmill.bench.serve_bench import add_bench_serve_arguments, run_bench_serve
+
+    serve_b = bench.add_parser("serve", help="Poisson arrivals against a running server over HTTP")
+    add_bench_serve_arguments(serve_b)
+    serve_b.set_defaults(func=run_bench_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

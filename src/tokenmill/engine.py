@@ -1,0 +1,366 @@
+"""Engine: add_request / abort / step / generate over the scheduler and the model runner.
+
+One ``step()`` is one iteration of continuous batching::
+
+    schedule()  ->  SchedulerOutput        which rows run now, their tokens and blocks (pure Python)
+    execute()   ->  ModelRunnerOutput      one forward over the flat batch, one token per sampling row
+    update()    ->  requests touched       tokens appended, token stops checked, finished blocks freed
+    detokenize  ->  RequestDelta per row   new text, stop strings (which finish the request at once)
+
+The clock is injectable so benchmarks can run under a unit clock. Not thread-safe: one thread drives it
+(the server runs it in its own engine thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenmill.cache.kv_cache_manager import KVCacheManager
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.core.sched_output import SampledToken, StepRecord
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.stats import EngineStats
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class StepResult:
+    deltas: list[RequestDelta] = field(default_factory=list)  # one per request that got tokens or finished
+    finished: list[RequestOutput] = field(default_factory=list)
+    record: StepRecord = field(default_factory=StepRecord)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        loaded: Any = None,
+        **overrides: Any,
+    ) -> None:
+        """Load the model (``loaded`` reuses an already loaded ``LoadedModel``) and size the KV pool.
+
+        Keyword ``overrides`` are ``EngineConfig`` fields, so ``Engine(num_kv_blocks=64)`` works.
+        """
+        import torch
+
+        from tokenmill.model.loader import kv_bytes_per_block, load_model
+        from tokenmill.worker.model_runner import ModelRunner
+
+        config = replace(config or EngineConfig(), **overrides) if overrides else (config or EngineConfig())
+        self.config = config
+        self.clock = clock
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if loaded is None:
+            loaded = load_model(config.model, device=config.device, dtype=config.dtype)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = _model_name(loaded.source, config.model)
+        model_max_len = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max_len})"
+            )
+        self.max_model_len = config.max_model_len or model_max_len
+
+        bytes_per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
+        self.num_total_blocks = config.num_kv_blocks or self._blocks_from_budget(bytes_per_block)
+        self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            reserve=config.reserve,
+            max_num_preemptions=config.max_num_preemptions,
+        )
+        self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
+        self.kv_manager = KVCacheManager(self.cache_config, config.reserve)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
+        self.runner = ModelRunner(loaded, self.num_total_blocks, config.block_size, seed=config.seed)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
+        self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
+        self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
+        self._ids = itertools.count()
+
+    def _blocks_from_budget(self, bytes_per_block: int) -> int:
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = int(_free_memory_bytes(self.loaded.device) * self.config.kv_cache_memory_fraction)
+        num_blocks = budget // bytes_per_block
+        # More blocks than every row at full length can use would only hold memory.
+        cap = math.ceil(self.config.max_num_seqs * self.max_model_len / self.config.block_size)
+        num_blocks = min(num_blocks, cap)
+        if num_blocks < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds no block of {bytes_per_block} bytes")
+        return num_blocks
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time_s: float | None = None,
+    ) -> str:
+        """Queue a request; ValueError for bad input (empty or out-of-vocabulary prompt, too long, duplicate id)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            token_ids = self.validate_token_ids(prompt)
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        for tok in params.stop_token_ids:
+            self._check_vocab(tok, "stop_token_ids")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            prompt=text,
+        )
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.scheduler.add_request(request)  # raises ValueError when it could never fit
+        self._requests[request_id] = request
+        return request_id
+
+    def validate_token_ids(self, prompt: Sequence[int]) -> list[int]:
+        token_ids = list(prompt)
+        for tok in token_ids:
+            self._check_vocab(tok, "prompt")
+        return token_ids
+
+    def _check_vocab(self, tok: object, name: str) -> None:
+        vocab_size = self.tokenizer.vocab_size
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise ValueError(f"{name}: token id {tok!r} is out of vocabulary (valid ids are 0..{vocab_size - 1})")
+
+    def abort(self, request_id: str) -> bool:
+        """End a request (waiting, running or preempted) as aborted; False when it is unknown or finished.
+
+        Its blocks return to the pool at once; its final delta comes out of the next ``step()``.
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        request.finished_time_s = self.clock()
+        self._pending_finished.append(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_manager.usage
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        now_s = self.clock()
+        touched = self.scheduler.update_from_output(scheduler_output, runner_output, now_s)
+        for request_id, entries in runner_output.prompt_logprobs.items():
+            request = self._requests[request_id]
+            request.prompt_logprobs = (request.prompt_logprobs or []) + list(entries)
+
+        result = StepResult(record=scheduler_output.record)
+        seen: set[str] = set()
+        ended = [self._requests[i] for i in scheduler_output.finished_ids if i in self._requests]
+        for request in [*touched, *ended, *self._pending_finished]:
+            if request.request_id in seen or request.request_id not in self._requests:
+                continue
+            seen.add(request.request_id)
+            result.deltas.append(self._make_delta(request, now_s))
+            if request.is_finished:
+                result.finished.append(self._finish(request))
+        self._pending_finished.clear()
+        self.stats.add_step(scheduler_output.record, sum(len(d.new_token_ids) for d in result.deltas))
+        self.stats.num_finished += len(result.finished)
+        return result
+
+    def _make_delta(self, request: Request, now_s: float) -> RequestDelta:
+        first_delta = request.request_id not in self._announced
+        self._announced.add(request.request_id)
+        num_logprobs_before = request.num_returned_tokens
+        new_ids = request.take_new_token_ids()
+        detok: IncrementalDetokenizer = request.detokenizer
+        new_text = detok.add(new_ids) if new_ids else ""
+        if detok.stop_string is not None and not request.is_finished:
+            self.scheduler.finish_request(
+                request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=detok.stop_string
+            )
+        if request.is_finished:
+            if request.finished_time_s is None:
+                request.finished_time_s = now_s
+            if detok.stop_string is None:
+                new_text += detok.flush()
+        request.output_text = detok.text
+        new_logprobs = None
+        if request.sampling_params.logprobs is not None:
+            new_logprobs = [_to_logprob(t) for t in request.output_logprobs[num_logprobs_before:]]
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            error=request.error,
+            new_logprobs=new_logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=request.prompt_logprobs if first_delta else None,
+        )
+
+    def _finish(self, request: Request) -> RequestOutput:
+        del self._requests[request.request_id]
+        self._announced.discard(request.request_id)
+        return self.to_output(request)
+
+    def to_output(self, request: Request) -> RequestOutput:
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [_to_logprob(t) for t in request.output_logprobs]
+        completion = CompletionOutput(
+            index=0,
+            text=request.output_text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            error=request.error,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics=RequestMetrics(
+                arrival_time_s=request.arrival_time_s,
+                first_token_time_s=request.first_token_time_s,
+                last_token_time_s=request.last_token_time_s,
+                finished_time_s=request.finished_time_s,
+                num_preemptions=request.num_preemptions,
+            ),
+            prompt_logprobs=request.prompt_logprobs,
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(params, Sequence):
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
+            param_list = list(params)
+        else:
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        wanted = set(ids)
+        while wanted - results.keys():
+            for output in self.step().finished:
+                if output.request_id in wanted:
+                    results[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _to_logprob(token: Any) -> Logprob:
+    if isinstance(token, Logprob):
+        return token
+    if isinstance(token, SampledToken):
+        return Logprob(token.token_id, float(token.logprob or 0.0), list(token.top_logprobs or []))
+    raise TypeError(f"unexpected logprob record {token!r}")
+
+
+def _model_name(source: str, requested: str | None) -> str:
+    if requested is None:
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path
+
+    name = Path(requested).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _free_memory_bytes(device: Any) -> int:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

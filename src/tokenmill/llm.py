@@ -1,0 +1,67 @@
+"""The offline API in the shape vLLM users know: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine import Engine, Prompt
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine plus conveniences. Keyword arguments are ``EngineConfig`` fields.
+
+    >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        unknown = set(engine_kwargs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (strings or lists of token ids), in order."""
+        prompt_list = _as_list(prompts)
+        return self.engine.generate(prompt_list, sampling_params, use_tqdm=use_tqdm and len(prompt_list) > 1)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            prompts.append(self.engine.tokenizer.encode_chat(list(conversation)))  # type: ignore[arg-type]
+        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outputs
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if not items:
+        raise ValueError("prompts must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]
+    return items

@@ -1,0 +1,78 @@
+"""Model runner: a SchedulerOutput in, tensors through the model, one sampled token per wanting row out.
+
+The KV tensors live here (per layer ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V); the
+scheduler only hands out block ids. Logits are computed for the rows that sample, never for a whole prompt
+unless the request asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.loader import LoadedModel, allocate_kv_cache
+from tokenmill.outputs import Logprob
+from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        rows = scheduler_output.rows
+        if not rows:
+            return ModelRunnerOutput(sampled={})
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for row in rows:
+            input_ids.extend(row.token_ids)
+            positions.extend(range(row.start_position, row.seq_len))
+        query_lens = [row.num_new_tokens for row in rows]
+        query_start_loc = [0, *accumulate(query_lens)]
+        meta = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=[row.seq_len for row in rows],
+            block_tables=[row.block_ids for row in rows],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        hidden = self.model(input_ids_t, positions_t, meta, self.kv_caches)  # [T, H]
+
+        output = ModelRunnerOutput(sampled={})
+        sample_rows = [i for i, row in enumerate(rows) if row.sample]
+        if sample_rows:
+            last_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device)
+            logits = self.model.compute_logits(hidden[last_index])  # [num_sample_rows, V] float32
+            sampled = self.sampler(logits, [rows[i].request for i in sample_rows])
+            for i, token in zip(sample_rows, sampled, strict=True):
+                output.sampled[rows[i].request_id] = token
+
+        for i, row in enumerate(rows):
+            request = row.request
+            k = request.sampling_params.prompt_logprobs
+            if k is None or not row.is_prefill or request.num_preemptions > 0:
+                continue
+            # Prompt positions covered by this row; position p's logits score prompt token p + 1.
+            first, end = row.start_position, min(row.seq_len, request.num_prompt_tokens - 1)
+            entries: list[Logprob | None] = [None] if first == 0 else []
+            if end > first:
+                start = query_start_loc[i]
+                logits = self.model.compute_logits(hidden[start : start + (end - first)])  # [n, V]
+                targets = torch.tensor(request.prompt_token_ids[first + 1 : end + 1], device=self.device)
+                entries.extend(compute_prompt_logprobs(logits, targets, k))
+            output.prompt_logprobs[row.request_id] = entries
+        return output

@@ -1,0 +1,41 @@
+"""Shared real-model fixtures: the embedded model is loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def embedded_loaded():
+    """The embedded SmolLM2-135M-Instruct as a LoadedModel (fp32, CPU)."""
+    from tokenmill.model.loader import load_model
+
+    return load_model(None, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def make_engine(embedded_loaded):
+    """Build an Engine over the already loaded embedded model: make_engine(num_kv_blocks=..., ...)."""
+    from tokenmill.engine import Engine
+
+    def make(**overrides):
+        overrides.setdefault("num_kv_blocks", 256)
+        overrides.setdefault("device", "cpu")
+        return Engine(loaded=embedded_loaded, **overrides)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    """transformers' own reading of the same GGUF file: the independent reference (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.model.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model, tok

@@ -1,0 +1,208 @@
+"""The engine end to end on the embedded model, pinned against transformers' greedy generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+    "Caches make computers fast because",
+]
+NUM_TOKENS = 12
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_embedded):
+    """Greedy continuations by transformers' generate, each prompt alone (no padding involved)."""
+    model, tok = hf_embedded
+    refs = {}
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=NUM_TOKENS, do_sample=False, min_new_tokens=NUM_TOKENS)
+            refs[prompt] = (ids[0].tolist(), out[0, ids.shape[1] :].tolist())
+    return refs
+
+
+def test_batched_greedy_equals_transformers(make_engine, hf_reference):
+    engine = make_engine()
+    outs = engine.generate(PROMPTS, greedy(NUM_TOKENS))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref_prompt_ids, ref_tokens = hf_reference[prompt]
+        assert out.prompt_token_ids == ref_prompt_ids
+        assert out.outputs[0].token_ids == ref_tokens, prompt
+        assert out.outputs[0].finish_reason == "length"
+    engine.check_integrity()
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_each_prompt_alone_equals_batch(make_engine):
+    engine = make_engine()
+    batch = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy(NUM_TOKENS))]
+    alone = [engine.generate([p], greedy(NUM_TOKENS))[0].outputs[0].token_ids for p in PROMPTS]
+    assert batch == alone
+
+
+def test_chunked_prefill_equals_whole_prefill(make_engine):
+    long_prompt = " ".join(["tokens flow through the mill"] * 20)
+    whole = make_engine().generate([long_prompt], greedy(8))[0].outputs[0].token_ids
+    chunked_engine = make_engine(max_num_batched_tokens=16)
+    chunked = chunked_engine.generate([long_prompt], greedy(8))[0].outputs[0].token_ids
+    assert chunked == whole
+    assert chunked_engine.stats.num_iterations > 8  # the prompt took several chunks
+
+
+def _seed_workload():
+    # The seed's shape: 8 requests, 5-token prompts, seven wanting 4 tokens and one wanting 32.
+    prompts = [[100 + 7 * i + j for j in range(5)] for i in range(8)]
+    params = [greedy(4)] * 7 + [greedy(32)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("block_size,num_kv_blocks", [(4, 12), (2, 16)])
+def test_forced_preemption_keeps_greedy_tokens(make_engine, block_size, num_kv_blocks):
+    prompts, params = _seed_workload()
+    free = make_engine(max_num_seqs=8, block_size=16, num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in free.generate(prompts, params)]
+    assert free.stats.num_preemptions == 0
+    assert free.stats.num_iterations == 32 and free.stats.num_token_slots == 60
+
+    tight = make_engine(max_num_seqs=8, block_size=block_size, num_kv_blocks=num_kv_blocks)
+    streamed: dict[str, list[int]] = {}
+    ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    finished = {}
+    while tight.has_unfinished():
+        result = tight.step()
+        tight.check_integrity()
+        for delta in result.deltas:
+            streamed.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        for out in result.finished:
+            assert out.request_id not in finished, "a request finished twice"
+            finished[out.request_id] = out
+    assert tight.stats.num_preemptions > 0
+    assert tight.stats.num_recomputed_tokens > 0
+    for rid, want in zip(ids, expected, strict=True):
+        assert finished[rid].outputs[0].token_ids == want
+        assert streamed[rid] == want  # no token duplicated or dropped in the stream
+    assert tight.num_free_blocks == tight.num_total_blocks
+
+
+def test_longer_workload_under_pressure(make_engine):
+    prompts = [[200 + 3 * i + j for j in range(8 + 5 * i)] for i in range(10)]
+    params = [greedy(10 + 4 * i) for i in range(10)]
+    expected = [o.outputs[0].token_ids for o in make_engine(num_kv_blocks=256).generate(prompts, params)]
+    tight = make_engine(block_size=8, num_kv_blocks=20, max_num_seqs=6)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert tight.stats.num_preemptions > 0
+    assert got == expected
+    tight.check_integrity()
+    assert tight.num_free_blocks == tight.num_total_blocks
+
+
+def test_abort_waiting_running_and_preempted(make_engine):
+    engine = make_engine(max_num_seqs=2, block_size=4, num_kv_blocks=6)
+    a = engine.add_request([11, 12, 13, 14, 15], greedy(12))
+    b = engine.add_request([21, 22, 23, 24, 25], greedy(12))
+    c = engine.add_request([31, 32, 33], greedy(4))  # waits behind max_num_seqs=2
+    preempted = None
+    ends: dict[str, int] = {}
+    for _ in range(40):
+        result = engine.step()
+        engine.check_integrity()
+        for out in result.finished:
+            ends[out.request_id] = ends.get(out.request_id, 0) + 1
+        if result.record.preempted_ids and preempted is None:
+            preempted = result.record.preempted_ids[0]
+            assert engine.abort(preempted)
+            break
+    assert preempted is not None, "the pool was meant to force a preemption"
+    waiting = c if c not in ends else None
+    running = next(r for r in (a, b) if r != preempted)
+    if waiting is not None:
+        assert engine.abort(waiting)
+    engine.abort(running)
+    while engine.has_unfinished():
+        for out in engine.step().finished:
+            ends[out.request_id] = ends.get(out.request_id, 0) + 1
+    assert set(ends) == {a, b, c}
+    assert all(n == 1 for n in ends.values())
+    assert not engine.abort(a)  # already ended: nothing to do
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_value_error(make_engine):
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("", greedy(4))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request([], greedy(4))
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        engine.add_request([1, 2, 10**7], greedy(4))
+    with pytest.raises(ValueError, match="max_model_len|64"):
+        engine.add_request(list(range(100, 160)), greedy(10))
+    assert not engine.has_unfinished()
+    # A refused request never blocks the queue: the next one runs.
+    assert engine.generate(["Hello"], greedy(3))[0].outputs[0].finish_reason == "length"
+
+
+def test_stop_string_and_stop_token(make_engine):
+    engine = make_engine()
+    base = engine.generate(["1, 2, 3, 4,"], greedy(16))[0].outputs[0]
+    assert "7" in base.text
+    stopped = engine.generate(["1, 2, 3, 4,"], greedy(16, stop=["7"]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "7"
+    assert stopped.text == base.text[: base.text.index("7")]
+    tok_stop = base.token_ids[3]
+    by_token = engine.generate(["1, 2, 3, 4,"], greedy(16, stop_token_ids=[tok_stop]))[0].outputs[0]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == tok_stop
+    assert by_token.token_ids == base.token_ids[: base.token_ids.index(tok_stop) + 1]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(make_engine):
+    engine = make_engine()
+    sp = SamplingParams(max_tokens=10, temperature=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate(["Tell me a story"], sp)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    mixed = engine.generate(["Hi", "Tell me a story", "Why is the sky blue?"], [others, sp, others])
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_stats_and_idle_reasons(make_engine):
+    engine = make_engine(max_num_seqs=8)
+    prompts, params = _seed_workload()
+    engine.generate(prompts, params)
+    stats = engine.stats
+    assert stats.num_collected_tokens == 60
+    assert stats.occupancy == pytest.approx(60 / (8 * 32))
+    assert stats.idle_rows_by_reason["queue_empty"] == 8 * 32 - 60
