@@ -133,6 +133,8 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         for tok in params.stop_token_ids:
             self._check_vocab(tok, "stop_token_ids")
+        for tok in params.logit_bias:
+            self._check_vocab(tok, "logit_bias")
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -1,0 +1,268 @@
+"""Logits -> one token per row, vectorized across the batch.
+
+Per row, in order (each step touches only the rows that asked for it)::
+
+    raw logits ──┬─> log_softmax ──> logprobs of the sampled token and the top k   (raw distribution)
+                 └─> repetition / frequency / presence penalties
+                     -> logit_bias -> min_tokens (EOS and stop tokens masked)
+                     -> temperature 0: argmax
+                        otherwise:   / temperature -> top_k -> top_p -> min_p -> exponential race
+
+The exponential race picks ``argmax(p / E)`` with ``E ~ Exp(1)`` per token, which draws from ``p`` exactly.
+A seeded row's noise comes from a generator seeded with ``mix(seed, num_output_tokens)``: stateless, so the
+same token comes out whatever else is in the batch, and again after a preemption recomputes the request.
+Unseeded rows share one engine-wide generator, drawn in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.core.sched_output import SampledToken
+from tokenmill.outputs import Logprob
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+# Below this temperature a row is greedy: dividing by it would overflow float32 for no visible difference.
+_MIN_TEMPERATURE = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+class Sampler:
+    """Chooses the next token of each row. Holds only the engine-wide random generator(s)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}  # unseeded rows, one per device
+        self._per_row: dict[torch.device, torch.Generator] = {}  # re-seeded for every seeded row
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """``logits`` (num_rows, vocab), row i for ``requests[i]``; returns one SampledToken per row, in order."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise RuntimeError(f"sampler got logits {tuple(logits.shape)} for {len(requests)} requests")
+        if not requests:
+            return []
+        params = [r.sampling_params for r in requests]
+        processed = logits.float().clone()  # (B, V)
+        _apply_penalties(processed, requests)
+        _apply_logit_bias(processed, params)
+        _apply_min_tokens(processed, requests)
+        token_ids = self._choose(processed, requests)  # (B,)
+        return _package(logits, token_ids, params)
+
+    # --- choosing -----------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)  # (B,): the answer for greedy rows
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.temperature >= _MIN_TEMPERATURE]
+        if not rows:
+            return token_ids
+        device = logits.device
+        sampled = [requests[i] for i in rows]
+        params = [r.sampling_params for r in sampled]
+        row_index = torch.tensor(rows, device=device)
+        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        x = logits.index_select(0, row_index).div_(temperature)  # (S, V)
+        x = _truncate(x, params)
+        probs = torch.softmax(x, dim=-1)
+        noise = self._exponential_noise(sampled, probs.shape, device)  # (S, V)
+        token_ids[row_index] = probs.div_(noise).argmax(dim=-1)
+        return token_ids
+
+    def _exponential_noise(
+        self, requests: list[Request], shape: torch.Size, device: torch.device
+    ) -> torch.Tensor:
+        noise = torch.empty(shape, dtype=torch.float32, device=device)
+        unseeded = [j for j, r in enumerate(requests) if r.sampling_params.seed is None]
+        if len(unseeded) == len(requests):
+            noise.exponential_(generator=self._shared_generator(device))
+        else:
+            if unseeded:
+                draws = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=device)
+                draws.exponential_(generator=self._shared_generator(device))
+                noise[torch.tensor(unseeded, device=device)] = draws
+            generator = self._per_row.get(device)
+            if generator is None:
+                generator = self._per_row[device] = torch.Generator(device)
+            for j, r in enumerate(requests):
+                seed = r.sampling_params.seed
+                if seed is not None:
+                    generator.manual_seed(_mix_seed(seed, r.num_output_tokens))
+                    noise[j].exponential_(generator=generator)
+        # Exp(1) can return 0.0; p / 0 would be inf (or NaN for p = 0) and win the race.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared.get(device)
+        if generator is None:
+            generator = torch.Generator(device)
+            generator.manual_seed(self.seed)
+            self._shared[device] = generator
+        return generator
+
+
+# --- logit processing (in place on the (B, V) float32 copy) -------------------------------------
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition penalty over prompt + output (positive logits divided, negative multiplied);
+    frequency (per occurrence) and presence (once) penalties over output tokens, as OpenAI defines them."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    chosen = [requests[i] for i in rows]
+    params = [r.sampling_params for r in chosen]
+    row_index = torch.tensor(rows, device=device)
+    x = logits.index_select(0, row_index)  # (R, V)
+    output_counts = _token_counts([r.output_token_ids for r in chosen], vocab, device)  # (R, V)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        seen = (output_counts > 0) | (_token_counts([r.prompt_token_ids for r in chosen], vocab, device) > 0)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        x = x - frequency * output_counts - presence * (output_counts > 0).float()
+    logits[row_index] = x
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(len(token_lists), vocab) float32: how often each token occurs in each list."""
+    counts = torch.zeros((len(token_lists), vocab), dtype=torch.float32, device=device)
+    flat = [t for tokens in token_lists for t in tokens]
+    if flat:
+        ids = torch.tensor(flat, dtype=torch.long, device=device)
+        rows = torch.repeat_interleave(
+            torch.arange(len(token_lists), device=device),
+            torch.tensor([len(tokens) for tokens in token_lists], device=device),
+        )
+        keep = (ids >= 0) & (ids < vocab)
+        counts.index_put_(
+            (rows[keep], ids[keep]), torch.ones_like(ids[keep], dtype=torch.float32), accumulate=True
+        )
+    return counts
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each request's bias. Ids beyond the logits' width are ignored (the engine validates them)."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token_id, bias in p.logit_bias.items():
+            if token_id < vocab:
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Below ``min_tokens`` outputs, EOS and stop tokens cannot be chosen (with ignore_eos too)."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens < p.min_tokens:
+            banned = {t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab}
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+
+
+def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) what top_k, top_p and min_p exclude, row by row; ``x`` is temperature-scaled (S, V)."""
+    num_rows, vocab = x.shape
+    device = x.device
+    use_top_k = any(0 < p.top_k < vocab for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if use_top_k or use_top_p:
+        sorted_x, order = x.sort(dim=-1, descending=True)  # (S, V) each
+        rank = torch.arange(vocab, device=device).expand(num_rows, vocab)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        drop = rank >= top_k.unsqueeze(1)
+        if use_top_p:
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            probs = torch.softmax(sorted_x, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # top_p == 1 keeps everything, even where rounding pushes mass_before to 1.0.
+            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+            drop |= mass_before >= top_p.unsqueeze(1)  # the best token has mass_before 0: always kept
+        x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    if any(p.min_p > 0.0 for p in params):
+        probs = torch.softmax(x, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return x
+
+
+# --- outputs ------------------------------------------------------------------------------------
+def _package(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+) -> list[SampledToken]:
+    ids = token_ids.tolist()
+    out = [SampledToken(token_id=t) for t in ids]
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not wanted:
+        return out
+    row_index = torch.tensor(wanted, device=raw_logits.device)
+    max_k = max(params[i].logprobs or 0 for i in wanted)
+    chosen, top = _logprobs(
+        raw_logits.index_select(0, row_index), token_ids.index_select(0, row_index), max_k
+    )
+    for j, i in enumerate(wanted):
+        out[i].logprob = chosen[j]
+        out[i].top_logprobs = top[j][: params[i].logprobs]
+    return out
+
+
+def _logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Raw-distribution logprob of each row's target, and each row's top k (token_id, logprob), best first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    chosen = logprobs.gather(1, target_ids.long().unsqueeze(1)).squeeze(1).tolist()
+    if k <= 0:
+        return chosen, [[] for _ in chosen]
+    values, indices = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+    top = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(indices.tolist(), values.tolist())]
+    return chosen, top
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: Sequence[int] | torch.Tensor, k: int
+) -> list[Logprob]:
+    """Logprob of ``target_ids[i]`` under ``logits[i]`` (raw distribution) and the top k, for prompt logprobs.
+
+    ``logits`` (n, vocab) are the predictions at positions 0..n-1; ``target_ids`` the tokens at 1..n.
+    """
+    if not isinstance(target_ids, torch.Tensor):
+        target_ids = torch.tensor(list(target_ids), dtype=torch.long, device=logits.device)
+    if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
+        raise RuntimeError(
+            f"prompt logprobs: logits {tuple(logits.shape)} vs targets {tuple(target_ids.shape)}"
+        )
+    chosen, top = _logprobs(logits, target_ids.to(logits.device), k)
+    return [Logprob(t, lp, tk) for t, lp, tk in zip(target_ids.tolist(), chosen, top)]
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """A 64-bit generator seed from (request seed, output position): splitmix64 of each, chained."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+__all__ = ["Sampler", "compute_prompt_logprobs"]
