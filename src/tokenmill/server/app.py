@@ -1,0 +1,227 @@
+"""The FastAPI app: ``build_app(async_engine, ...)`` wires routes, the API-key gate and OpenAI-shaped errors.
+
+Routes: POST /v1/completions and /v1/chat/completions (``routes_*.py``); GET /v1/models, /health, /metrics;
+POST /tokenize and /detokenize (vLLM's shapes). With an API key every route needs
+``Authorization: Bearer <key>`` except the allow-list (/health, /metrics): the check is an ASGI middleware
+in front of the router, so a route added later is covered without anyone remembering to.
+Handlers never touch the Engine: they go through :class:`~tokenmill.server.async_engine.AsyncEngine`.
+Prompts are never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.server.async_engine import AsyncEngine
+from tokenmill.server.common import (
+    ApiError,
+    ServerState,
+    check_model,
+    get_state,
+    parse_body,
+    read_json_body,
+    unavailable,
+)
+from tokenmill.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ParamError,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left)."""
+    from tokenmill.server import routes_chat, routes_completions
+
+    state = ServerState(
+        async_engine=async_engine,
+        served_model_name=served_model_name or async_engine.model_name,
+        api_key=api_key or None,
+        max_body_bytes=max_body_bytes,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await run_in_threadpool(async_engine.stop)
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app.state.tokenmill = state
+    app.include_router(routes_completions.router)
+    app.include_router(routes_chat.router)
+    _add_misc_routes(app)
+    _add_error_handlers(app)
+    if state.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, open_paths=OPEN_PATHS)
+    return app
+
+
+class ApiKeyMiddleware:
+    """Rejects, with 401, every HTTP request but those to ``open_paths`` that lacks the right bearer key.
+
+    The comparison is constant-time over SHA-256 digests, so neither content nor length leaks by timing.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        error.headers = {"WWW-Authenticate": "Bearer"}
+        await error.response()(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        presented = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    presented = token.strip()
+                break
+        return hmac.compare_digest(hashlib.sha256(presented).digest(), self._digest) and presented != b""
+
+
+def _add_misc_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        async_engine = get_state(request).async_engine
+        if async_engine.alive:
+            return Response(status_code=200)
+        return unavailable(async_engine.dead_message()).response()
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(
+            get_state(request).async_engine.metrics.render(),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        state = get_state(request)
+        card = ModelCard(
+            id=state.served_model_name,
+            root=state.async_engine.model_name,
+            max_model_len=state.async_engine.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        from tokenmill.server.protocol import ChatCompletionRequest
+        from tokenmill.server.routes_chat import encode_messages
+
+        state = get_state(request)
+        req = parse_body(TokenizeRequest, await read_json_body(request, state.max_body_bytes))
+        check_model(state, req.model)
+        tokenizer = state.async_engine.tokenizer
+        try:
+            if req.messages is not None:
+                chat = ChatCompletionRequest(
+                    messages=req.messages, add_generation_prompt=req.add_generation_prompt
+                )
+                tokens = encode_messages(state, chat)
+            elif req.prompt is not None:
+                tokens = list(
+                    tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+                )
+            else:
+                raise ParamError("either prompt or messages is required", param="prompt")
+        except ParamError as exc:
+            raise ApiError.from_param_error(exc) from None
+        token_strs = None
+        if req.return_token_strs:
+            token_strs = [str(tokenizer.id_to_token(t)) for t in tokens]
+        body = TokenizeResponse(
+            count=len(tokens),
+            max_model_len=state.async_engine.max_model_len,
+            tokens=tokens,
+            token_strs=token_strs,
+        )
+        return JSONResponse(body.model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        state = get_state(request)
+        req = parse_body(DetokenizeRequest, await read_json_body(request, state.max_body_bytes))
+        check_model(state, req.model)
+        tokenizer = state.async_engine.tokenizer
+        for tok in req.tokens:
+            if not 0 <= tok < tokenizer.vocab_size:
+                raise ApiError.bad_request(
+                    f"tokens: token id {tok} is out of vocabulary (valid ids are 0..{tokenizer.vocab_size - 1})",
+                    param="tokens",
+                )
+        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)).model_dump())
+
+
+def _error_body(status_code: int, message: str, type: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)).model_dump(),
+        status_code=status_code,
+    )
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = (
+            f"{param}: {first.get('msg', 'invalid value')}" if param else json.dumps(errors, default=str)
+        )
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        response = _error_body(exc.status_code, str(exc.detail), kind, code)
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return _error_body(500, f"internal error: {type(exc).__name__}", "server_error")

@@ -1,0 +1,294 @@
+"""What every route shares: OpenAI-shaped errors, a bounded body reader, the SSE response that aborts on
+disconnect, and the non-streaming wait that does the same."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from tokenmill.outputs import RequestDelta
+from tokenmill.server.async_engine import (
+    AsyncEngine,
+    ChoiceResult,
+    DrainingError,
+    EngineDeadError,
+    QueueFullError,
+    RequestGroup,
+)
+from tokenmill.server.protocol import ErrorInfo, ErrorResponse, ParamError, validation_error_to_param
+
+RETRY_AFTER_S = 1
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+@dataclass
+class ServerState:
+    async_engine: AsyncEngine
+    served_model_name: str
+    api_key: str | None
+    max_body_bytes: int
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.tokenmill
+    return state
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> ApiError:
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def from_param_error(cls, exc: ParamError) -> ApiError:
+        return cls(400, exc.message, param=exc.param, code=exc.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            ErrorResponse(error=self.info).model_dump(), status_code=self.status_code, headers=self.headers
+        )
+
+    def sse_event(self) -> str:
+        return f"data: {ErrorResponse(error=self.info).model_dump_json()}\n\n"
+
+
+def overloaded(message: str, code: str = "queue_full") -> ApiError:
+    return ApiError(
+        429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(
+        503, message, type="server_error", code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
+def context_length_error(max_model_len: int, num_prompt_tokens: int, num_completion_tokens: int) -> ApiError:
+    requested = num_prompt_tokens + num_completion_tokens
+    return ApiError.bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{requested} tokens ({num_prompt_tokens} in the messages, {num_completion_tokens} in the completion). "
+        "Please reduce the length of the messages or completion.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+async def read_json_body(request: Request, max_body_bytes: int) -> Any:
+    """The request's JSON body; 413 past ``max_body_bytes`` (checked as bytes arrive), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise _too_large(max_body_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _too_large(max_body_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError.bad_request("the client disconnected while sending the body") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError.bad_request(f"the body is not valid JSON: {exc}") from None
+
+
+def _too_large(max_body_bytes: int) -> ApiError:
+    return ApiError(
+        413, f"the request body exceeds {max_body_bytes} bytes", param=None, code="request_too_large"
+    )
+
+
+def parse_body(model: type[ModelT], body: Any) -> ModelT:
+    if not isinstance(body, dict):
+        raise ApiError.bad_request("the body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ApiError.from_param_error(validation_error_to_param(exc)) from None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
+        raise ApiError(
+            404, f"The model `{model}` does not exist.", type="invalid_request_error", param="model",
+            code="model_not_found",
+        )  # fmt: skip
+
+
+async def submit(state: ServerState, prompts: list[tuple[list[int], Any]], request_id: str) -> Any:
+    """AsyncEngine.submit with its refusals mapped to HTTP: 429 (queue), 503 (draining/dead), 400 (input)."""
+    try:
+        return await state.async_engine.submit(prompts, request_id=request_id)
+    except QueueFullError as exc:
+        raise overloaded(str(exc)) from None
+    except (DrainingError, EngineDeadError) as exc:
+        raise unavailable(str(exc)) from None
+    except ParamError as exc:
+        raise ApiError.from_param_error(exc) from None
+    except ValueError as exc:
+        message = str(exc)
+        param = next((name for name in ("prompt", "stop_token_ids") if message.startswith(name)), None)
+        if param is None and message.startswith("request "):  # the scheduler: it could never fit
+            param = "max_tokens"
+        raise ApiError.bad_request(message, param=param) from None
+
+
+def stream_failure(async_engine: AsyncEngine, group: RequestGroup, delta: RequestDelta) -> ApiError | None:
+    """The error a terminal delta stands for, or None when it ended normally (or the client left).
+
+    ``finish_reason="error"`` is the engine giving up on a request under load (preempted too often): 429,
+    like a full queue, unless the whole loop died (503). An ``"abort"`` the client did not ask for is the
+    server shutting down: 503. Neither is a 500, which clients would retry at once.
+    """
+    if not delta.finished:
+        return None
+    if delta.finish_reason == "error":
+        if not async_engine.alive:
+            return unavailable(delta.error or "the engine loop has died")
+        return overloaded(
+            delta.error or "the server could not finish the request under this load", "overloaded"
+        )
+    if delta.finish_reason == "abort" and not group.aborted_by_client:
+        return unavailable("the server is shutting down; the request was aborted")
+    return None
+
+
+def failure_for(
+    async_engine: AsyncEngine, group: RequestGroup, results: list[ChoiceResult]
+) -> ApiError | None:
+    for result in results:
+        delta = RequestDelta(
+            request_id="", new_token_ids=[], new_text="", finished=True, finish_reason=result.finish_reason,
+            error=result.error,
+        )  # fmt: skip
+        failure = stream_failure(async_engine, group, delta)
+        if failure is not None:
+            return failure
+    return None
+
+
+def sse(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json(exclude=exclude)
+    else:
+        body = json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(Response):
+    """Server-sent events from an async iterator of ready ``data: ...\\n\\n`` strings.
+
+    Unlike Starlette's StreamingResponse it always listens for ``http.disconnect`` while streaming, and on
+    a disconnect (or a failed send) calls ``on_disconnect`` at once, before the generator is closed: the
+    engine hears about the abort within one step whatever ASGI version the server speaks.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_disconnect: Callable[[], None]) -> None:
+        # Not Response.__init__: it would render an empty body and announce Content-Length: 0.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        pump_task = asyncio.ensure_future(pump())
+        watch_task = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pump_task.done() and pump_task.exception() is None:
+                return
+            self.on_disconnect()  # the client went away (or a send failed): abort before anything else
+        except asyncio.CancelledError:  # the server is cancelling us (forced shutdown)
+            self.on_disconnect()
+            raise
+        finally:
+            for task in (pump_task, watch_task):
+                task.cancel()
+            for task in (pump_task, watch_task):
+                with contextlib.suppress(BaseException):
+                    await task
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming answer was ready."""
+
+
+T = TypeVar("T")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]) -> T:
+    """Await ``work`` unless the client disconnects first: then call ``on_disconnect`` and raise ClientGone."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        on_disconnect()
+        work_task.cancel()
+        watch_task.cancel()
+        raise
+    if work_task.done():
+        watch_task.cancel()
+        with contextlib.suppress(BaseException):
+            await watch_task
+        return work_task.result()
+    on_disconnect()
+    work_task.cancel()
+    with contextlib.suppress(BaseException):
+        await work_task
+    raise ClientGone()

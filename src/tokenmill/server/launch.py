@@ -1,0 +1,189 @@
+"""``tokenmill serve``: build the Engine from flags, run uvicorn, shut down gracefully on SIGTERM.
+
+Shutdown, on the first SIGTERM or SIGINT:
+
+1. the AsyncEngine stops admitting (new requests get 503) and uvicorn stops accepting connections;
+2. requests in flight keep running, for up to ``--shutdown-timeout`` seconds;
+3. then whatever is left is aborted, and each gets a terminal answer (an error event then ``[DONE]`` for
+   a stream, a 503 otherwise);
+4. the lifespan stops the engine thread and the process exits 0.
+
+A second signal skips the wait and aborts at once. ``python -m tokenmill.server.launch`` takes the same
+flags as ``tokenmill serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Generator, Sequence
+from typing import Any
+
+logger = logging.getLogger("tokenmill.server")
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``tokenmill serve``: the engine's, then the server's."""
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
+    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0, help="the engine's base seed (unseeded requests)")
+
+    s = parser.add_argument_group("server")
+    s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics (or set {API_KEY_ENV})",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="engine requests that may wait (accepted, not yet admitted to the batch) before new ones get 429",
+    )
+    s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument(
+        "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from tokenmill.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        reserve=args.reserve,
+        quantization=args.quantization,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build everything from ``args`` and serve until a signal; 0 after a clean shutdown."""
+    import uvicorn
+
+    from tokenmill.engine import Engine
+    from tokenmill.server.app import build_app
+    from tokenmill.server.async_engine import AsyncEngine
+    from tokenmill.server.metrics import ServerMetrics
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be a positive integer, got {args.max_queue}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be a positive integer, got {args.max_body_bytes}")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+
+    engine = Engine(engine_config_from_args(args))
+    served_name = args.served_model_name or engine.model_name
+    async_engine = AsyncEngine(engine, max_queue=args.max_queue, metrics=ServerMetrics(served_name))
+    app = build_app(async_engine, served_name, api_key, args.max_body_bytes)
+    logger.info(
+        "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",
+        served_name, args.host, args.port, engine.max_model_len, engine.num_total_blocks,
+        "required" if api_key else "off",
+    )  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout) + 5),
+    )
+    server = _make_server(config)
+    try:
+        asyncio.run(_serve(server, async_engine, args.shutdown_timeout))
+    finally:
+        async_engine.stop()
+    return 0 if server.started else 1
+
+
+def _make_server(config: Any) -> Any:
+    """A uvicorn.Server without its own signal handling: ours (in ``_serve``) drains first."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return Server(config)
+
+
+async def _serve(server: Any, async_engine: Any, shutdown_timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if not async_engine.draining:
+            logger.info(
+                "%s: admitting nothing new; in-flight requests get %.0f s",
+                signal.Signals(signum).name,
+                shutdown_timeout_s,
+            )
+            async_engine.begin_drain()
+            server.should_exit = True
+            loop.call_later(shutdown_timeout_s, async_engine.abort_all, "shutdown timeout")
+        else:
+            logger.warning("%s again: aborting everything in flight", signal.Signals(signum).name)
+            async_engine.abort_all("second signal")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await server.serve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill serve", description="OpenAI-compatible HTTP server")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except ValueError as exc:
+        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

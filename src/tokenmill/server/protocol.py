@@ -1,0 +1,378 @@
+"""The OpenAI wire protocol as pydantic models: requests in, responses and stream chunks out.
+
+Requests accept unknown fields and ignore them (clients send fields we do not implement, such as ``tools``
+or ``response_format``); every known field may be ``null``, which means "the default". Range checks live in
+:class:`~tokenmill.sampling_params.SamplingParams`, so one place decides what a valid temperature is;
+:func:`to_sampling_params` maps a request onto it and re-raises its ``ValueError`` as a
+:class:`ParamError` naming the request field a client sent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+from tokenmill.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per request: each is its own engine request
+
+
+class ParamError(ValueError):
+    """A bad request parameter: becomes a 400 with ``param`` set."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+# --- requests ---------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+
+    @property
+    def num_choices(self) -> int:
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_N:
+            raise ParamError(f"n must be between 1 and {MAX_N}, got {n}", param="n")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's content as one string (text parts joined); ParamError for non-text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ParamError(
+                    f"only text content parts are supported, got type {part.get('type')!r}", param="messages"
+                )
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+
+    def template_messages(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise ParamError("messages must not be empty", param="messages")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- responses --------------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    """Only the fields set are sent: ``{"role": "assistant", "content": ""}`` first, then ``{"content": ...}``."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.role is not None:
+            out["role"] = self.role
+        if self.content is not None:
+            out["content"] = self.content
+        return out
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --- mapping ----------------------------------------------------------------------------------------
+
+
+def validation_error_to_param(exc: ValidationError) -> ParamError:
+    """The first pydantic error as a ParamError naming the field (``messages.0.role``)."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return ParamError(str(exc))
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    # A union reports the member type it tried (``prompt.str``, ``stop.list[str]``); keep the field path.
+    path = [p for p in loc if not _is_type_tag(p)]
+    param = ".".join(path) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        message = f"{param} is required" if param else "a required field is missing"
+    elif param:
+        message = f"{param}: {message}"
+    return ParamError(message, param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith("function-")
+
+
+# SamplingParams field -> the request field a client would have sent.
+_COMPLETION_PARAM_NAMES = {"prompt_logprobs": "logprobs"}
+_CHAT_PARAM_NAMES = {"logprobs": "top_logprobs", "prompt_logprobs": "top_logprobs"}
+
+
+def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            bias[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise ParamError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return bias
+
+
+def to_sampling_params(
+    req: _SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    seed: int | None = None,
+    chat: bool = False,
+) -> SamplingParams:
+    """The SamplingParams for one choice; ParamError (naming the request field) for an invalid value."""
+    stop = req.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=seed,
+            stop=list(stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=parse_logit_bias(req.logit_bias),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0].rstrip(":")
+        if field == "stop":  # "stop strings must be ..."
+            param = "stop"
+        elif field in SamplingParams.__dataclass_fields__:
+            names = _CHAT_PARAM_NAMES if chat else _COMPLETION_PARAM_NAMES
+            param = names.get(field, field)
+            if chat and field == "max_tokens":
+                param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"  # type: ignore[attr-defined]
+        else:
+            param = None
+        raise ParamError(message, param=param) from None

@@ -1,0 +1,298 @@
+"""POST /v1/completions: one engine request per (prompt, choice); choice ``i`` of prompt ``p`` is index
+``p * n + i`` and, with a seed, samples with ``seed + i``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenmill.outputs import Logprob, RequestDelta
+from tokenmill.server.async_engine import ChoiceResult, RequestGroup, collect
+from tokenmill.server.common import (
+    SSE_DONE,
+    ApiError,
+    ClientGone,
+    ServerState,
+    SSEResponse,
+    check_model,
+    context_length_error,
+    failure_for,
+    get_state,
+    parse_body,
+    read_json_body,
+    sse,
+    stream_failure,
+    submit,
+    until_disconnect,
+)
+from tokenmill.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ParamError,
+    UsageInfo,
+    to_sampling_params,
+)
+
+router = APIRouter()
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state = get_state(request)
+    req = parse_body(CompletionRequest, await read_json_body(request, state.max_body_bytes))
+    check_model(state, req.model)
+    try:
+        prompts = _prompts(req, state)
+        n = req.num_choices
+        if req.suffix:
+            raise ParamError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != n:
+            raise ParamError("best_of is not supported (only best_of == n)", param="best_of")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        for prompt in prompts:
+            if max_tokens >= 1 and len(prompt.token_ids) + max_tokens > state.async_engine.max_model_len:
+                raise context_length_error(
+                    state.async_engine.max_model_len, len(prompt.token_ids), max_tokens
+                )
+        echo = bool(req.echo)
+        engine_prompts = []
+        for prompt in prompts:
+            for i in range(n):
+                params = to_sampling_params(
+                    req,
+                    max_tokens=max_tokens,
+                    logprobs=req.logprobs,
+                    prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None,
+                    seed=None if req.seed is None else req.seed + i,
+                )
+                engine_prompts.append((prompt.token_ids, params))
+    except ParamError as exc:
+        raise ApiError.from_param_error(exc) from None
+
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    group: RequestGroup = await submit(state, engine_prompts, completion_id)
+    view = _View(state, req, completion_id, [p for p in prompts for _ in range(n)])
+    if req.stream:
+        return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)
+    try:
+        results = await until_disconnect(request, collect(group), group.abort)
+    except ClientGone:
+        return Response(status_code=499)
+    failure = failure_for(state.async_engine, group, results)
+    if failure is not None:
+        raise failure
+    return JSONResponse(view.response(results).model_dump())
+
+
+def _prompts(req: CompletionRequest, state: ServerState) -> list[_Prompt]:
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and all(isinstance(t, int) for t in raw):
+        items = [raw]
+    else:
+        items = list(raw)
+    if not items:
+        raise ParamError("prompt must not be empty", param="prompt")
+    tokenizer = state.async_engine.tokenizer
+    vocab_size = tokenizer.vocab_size
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if item == "":
+                raise ParamError("prompt must not be empty", param="prompt")
+            prompts.append(_Prompt(item, tokenizer.encode(item)))
+            continue
+        if not item:
+            raise ParamError("prompt must not be empty", param="prompt")
+        for tok in item:
+            if not 0 <= tok < vocab_size:
+                raise ParamError(
+                    f"prompt: token id {tok} is out of vocabulary (valid ids are 0..{vocab_size - 1})",
+                    param="prompt",
+                )
+        prompts.append(_Prompt(None, list(item)))
+    return prompts
+
+
+@dataclass
+class _LogprobBuilder:
+    """OpenAI's legacy logprobs for one choice; ``text_offset`` counts characters from the choice's start."""
+
+    offset: int = 0
+    parts: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+
+    def add(self, token_str: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.parts.tokens.append(token_str)
+        self.parts.token_logprobs.append(logprob)
+        self.parts.top_logprobs.append(top)
+        self.parts.text_offset.append(self.offset)
+        self.offset += len(token_str)
+
+    def take(self) -> CompletionLogprobs:
+        out, self.parts = self.parts, CompletionLogprobs()
+        return out
+
+
+class _View:
+    """Turns engine deltas into OpenAI completion objects for one HTTP request."""
+
+    def __init__(
+        self, state: ServerState, req: CompletionRequest, completion_id: str, prompts: list[_Prompt]
+    ):
+        self.tokenizer = state.async_engine.tokenizer
+        self.model = state.served_model_name
+        self.id = completion_id
+        self.created = int(time.time())
+        self.echo = bool(req.echo)
+        self.want_logprobs = req.logprobs is not None
+        self.include_usage = req.include_usage
+        self.choice_prompts = prompts  # per choice index
+        self.num_prompt_tokens = sum(
+            len(p.token_ids) for i, p in enumerate(prompts) if i == 0 or p is not prompts[i - 1]
+        )
+
+    def token_str(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def prompt_text(self, index: int) -> str:
+        prompt = self.choice_prompts[index]
+        return prompt.text if prompt.text is not None else str(self.tokenizer.decode(prompt.token_ids))
+
+    def add_prompt_logprobs(
+        self, builder: _LogprobBuilder, index: int, entries: list[Logprob | None] | None
+    ) -> None:
+        prompt_ids = self.choice_prompts[index].token_ids
+        entries = list(entries or [])
+        for pos, token_id in enumerate(prompt_ids):
+            entry = entries[pos] if pos < len(entries) else None
+            if entry is None:
+                builder.add(self.token_str(token_id), None, None)
+            else:
+                builder.add(self.token_str(token_id), entry.logprob, self.top_dict(entry))
+
+    def add_logprobs(
+        self, builder: _LogprobBuilder, token_ids: list[int], logprobs: list[Logprob] | None
+    ) -> None:
+        for pos, token_id in enumerate(token_ids):
+            entry = logprobs[pos] if logprobs and pos < len(logprobs) else None
+            if entry is None:
+                builder.add(self.token_str(token_id), None, None)
+            else:
+                builder.add(self.token_str(token_id), entry.logprob, self.top_dict(entry))
+
+    def top_dict(self, entry: Logprob) -> dict[str, float]:
+        top = {self.token_str(tid): lp for tid, lp in entry.top_logprobs}
+        top.setdefault(self.token_str(entry.token_id), entry.logprob)  # the sampled token is always there
+        return top
+
+    def response(self, results: list[ChoiceResult]) -> CompletionResponse:
+        choices = []
+        for index, result in enumerate(results):
+            text = result.text
+            logprobs = None
+            if self.echo:
+                text = self.prompt_text(index) + text
+            if self.want_logprobs:
+                builder = _LogprobBuilder()
+                if self.echo:
+                    self.add_prompt_logprobs(builder, index, result.prompt_logprobs)
+                self.add_logprobs(builder, result.token_ids, result.logprobs)
+                logprobs = builder.take()
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=result.finish_reason,
+                    stop_reason=result.stop_reason,
+                )
+            )
+        num_completion = sum(len(r.token_ids) for r in results)
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=self.num_prompt_tokens,
+                completion_tokens=num_completion,
+                total_tokens=self.num_prompt_tokens + num_completion,
+            ),
+        )
+
+    def chunk(self, choice: CompletionChoice) -> str:
+        chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return sse(chunk, exclude=None if self.include_usage else {"usage"})
+
+    def usage_chunk(self, num_completion_tokens: int) -> str:
+        usage = UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=self.num_prompt_tokens + num_completion_tokens,
+        )
+        return sse(
+            CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        )
+
+    def delta_choice(
+        self, index: int, delta: RequestDelta, first: bool, builder: _LogprobBuilder
+    ) -> CompletionChoice | None:
+        text = delta.new_text
+        if first and self.echo:
+            text = self.prompt_text(index) + text
+            if self.want_logprobs:
+                self.add_prompt_logprobs(builder, index, delta.prompt_logprobs)
+        if self.want_logprobs:
+            self.add_logprobs(builder, delta.new_token_ids, delta.new_logprobs)
+        logprobs = builder.take() if self.want_logprobs else None
+        if not text and not delta.finished and not (logprobs and logprobs.tokens):
+            return None  # tokens whose text is held back (an incomplete character or a possible stop string)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason if delta.finished else None,
+            stop_reason=delta.stop_reason if delta.finished else None,
+        )
+
+
+async def _stream(view: _View, group: RequestGroup, state: ServerState) -> AsyncIterator[str]:
+    builders = [_LogprobBuilder() for _ in group.request_ids]
+    started = [False] * len(group.request_ids)
+    num_completion_tokens = 0
+    try:
+        async for index, delta in group.stream():
+            failure = stream_failure(state.async_engine, group, delta)
+            if failure is not None:
+                group.abort()
+                yield failure.sse_event()
+                break
+            num_completion_tokens += len(delta.new_token_ids)
+            choice = view.delta_choice(index, delta, not started[index], builders[index])
+            started[index] = True
+            if choice is not None:
+                yield view.chunk(choice)
+        else:
+            if view.include_usage:
+                yield view.usage_chunk(num_completion_tokens)
+    except Exception as exc:  # a bug while formatting: tell the client, then end the stream properly
+        group.abort()
+        yield ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").sse_event()
+    yield SSE_DONE

@@ -1,0 +1,96 @@
+"""A real ``tokenmill serve`` process on a free loopback port, for the server's integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+SMALL_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "256", "--log-level", "warning", "--no-access-log")
+_SAMPLE = re.compile(r"^(\S+?)(\{.*\})? (\S+)$")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.args = [*SMALL_ARGS, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.log = tempfile.NamedTemporaryFile(prefix="tokenmill-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 180.0) -> ServerProcess:
+        return self.launch().wait_healthy(timeout_s)
+
+    def launch(self) -> ServerProcess:
+        """Start the process and return at once (the model loads meanwhile)."""
+        cmd = [sys.executable, "-m", "tokenmill.server.launch", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> ServerProcess:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {timeout_s} s:\n{self.output()}")
+
+    def output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """``{'name{labels}': value}`` from /metrics (labels as printed)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5.0).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line:
+                continue
+            m = _SAMPLE.match(line)
+            assert m, line
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3).replace("+Inf", "inf"))
+        return out
+
+    def metric(self, name: str) -> float:
+        """The value of a metric whose only label is model_name."""
+        values = [v for k, v in self.metrics().items() if k == name or k.startswith(name + "{model_name=")]
+        assert len(values) == 1, (name, values)
+        return values[0]
+
+    def terminate(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
