@@ -1,0 +1,264 @@
+"""Llama weights from a GGUF file: dequantized, renamed to Hugging Face names, cached as safetensors.
+
+Reading a GGUF file means parsing its metadata (about two seconds for SmolLM2's 49k-token vocabulary)
+and dequantizing every tensor. :class:`GGUFFile` does that once and caches the result in
+``$TOKENMILL_CACHE_DIR`` (default ``~/.cache/tokenmill``), keyed by the sha256 of the file: the weights
+as float32, already fused the way :class:`~tokenmill.model.llama.LlamaForCausalLM` holds them, and the
+metadata (config and tokenizer fields) in the safetensors header. A later load memory-maps the cache
+and never opens the GGUF reader.
+
+llama.cpp's converter reorders the rows of every Q and K projection: Hugging Face rotates pairs
+(i, i + D/2) of each head, GGUF rotates neighbours (2i, 2i + 1), so the converter moves HF row
+``half * D/2 + i`` of a head to row ``2i + half``. :func:`unpermute_rope_rows` moves them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.model.config import LlamaConfig
+from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_dict
+
+CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
+_CONFIG_KEY = "tokenmill_config"
+_FIELDS_KEY = "gguf_fields"
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a Llama model")
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row interleave: per head, rows (2i, 2i+1) go back to (i, i + D/2)."""
+    out_features, in_features = weight.shape
+    half = out_features // num_heads // 2
+    interleaved = weight.view(num_heads, half, 2, in_features)  # [H, D/2, 2, in]: row 2i + j
+    return interleaved.transpose(1, 2).reshape(out_features, in_features)  # [H, 2, D/2, in]: row j*D/2 + i
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """One ``gguf.ReaderTensor`` -> float32 array in torch order (``[out, in]`` for matrices)."""
+    import gguf
+
+    type_name = tensor.tensor_type.name
+    if type_name not in _SUPPORTED_TYPES:
+        raise ValueError(_type_error(tensor.name, type_name))
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # GGUF lists dimensions fastest-first; torch wants them slowest-first
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    values = values.reshape(shape)
+    # F32 tensors come back as read-only views of the memory-mapped file
+    return values if values.flags.writeable else values.copy()
+
+
+def _type_error(name: str, type_name: str) -> str:
+    return f"GGUF tensor {name!r} has type {type_name}, which tokenmill cannot load (supported: {', '.join(_SUPPORTED_TYPES)})"
+
+
+def convert_gguf(
+    path: Path, *, reader: Any = None, progress: bool = True
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Read ``path`` (or its open ``gguf.GGUFReader``): config and float32 HF-named weights, Q/K un-permuted."""
+    import gguf
+    from tqdm import tqdm
+
+    reader = gguf.GGUFReader(path) if reader is None else reader
+    meta = {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
+    }
+    by_name = {t.name: t for t in reader.tensors}
+    for tensor in reader.tensors:  # refuse before spending time on the others
+        if tensor.tensor_type.name not in _SUPPORTED_TYPES:
+            raise ValueError(_type_error(tensor.name, tensor.tensor_type.name))
+    if "token_embd.weight" not in by_name:
+        raise ValueError(f"{path} has no token_embd.weight tensor")
+    rope_freqs = None
+    if _ROPE_FREQS in by_name:
+        rope_freqs = tuple(float(x) for x in dequantize_tensor(by_name[_ROPE_FREQS]).reshape(-1))
+    config = LlamaConfig.from_gguf_metadata(
+        meta,
+        vocab_size=int(by_name["token_embd.weight"].shape[-1]),
+        tie_word_embeddings="output.weight" not in by_name,
+        rope_freq_factors=rope_freqs,
+    )
+    state_dict: dict[str, torch.Tensor] = {}
+    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
+    for tensor in tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress):
+        name = hf_tensor_name(tensor.name)
+        weight = torch.from_numpy(dequantize_tensor(tensor))
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_key_value_heads)
+        state_dict[name] = weight.contiguous()
+    return config, state_dict
+
+
+class _Field:
+    """A metadata value behind the ``contents()`` call ``gguf.ReaderField`` offers."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def contents(self) -> Any:
+        return self._value
+
+
+class GGUFFile:
+    """A GGUF file and its cache entry; ``fields`` mirrors ``gguf.GGUFReader.fields`` (the tokenizer reads it).
+
+    On a cache hit ``fields`` comes from the cache header and the GGUF reader is never opened.
+    """
+
+    def __init__(self, path: str | Path, cache_dir: str | Path | None = None) -> None:
+        self.path = Path(path)
+        cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+        self.cache_path = cache_dir / f"gguf-{file_sha256(self.path)}-v{CACHE_FORMAT_VERSION}.safetensors"
+        self._reader: Any = None
+        self._cached_header: dict[str, str] | None = None
+        if self.cache_path.is_file():
+            try:
+                from safetensors import safe_open
+
+                with safe_open(self.cache_path, framework="pt", device="cpu") as f:
+                    header = f.metadata()
+                if header is None or _CONFIG_KEY not in header or _FIELDS_KEY not in header:
+                    raise ValueError("no tokenmill metadata")
+                self._cached_header = header
+            except Exception as exc:  # a damaged cache file is rebuilt, not fatal
+                warnings.warn(f"ignoring unreadable GGUF cache {self.cache_path}: {exc}", stacklevel=2)
+
+    @property
+    def is_cached(self) -> bool:
+        return self._cached_header is not None
+
+    @functools.cached_property
+    def fields(self) -> dict[str, Any]:
+        if self._cached_header is not None:
+            return {key: _Field(value) for key, value in json.loads(self._cached_header[_FIELDS_KEY]).items()}
+        return dict(self.reader().fields)
+
+    def reader(self) -> Any:
+        if self._reader is None:
+            import gguf
+
+            self._reader = gguf.GGUFReader(self.path)
+        return self._reader
+
+    def load_weights(self) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+        """Config and fused float32 weights; converts (and fills the cache) on a miss."""
+        if self._cached_header is not None:
+            from safetensors.torch import load_file
+
+            config = _config_from_json(self._cached_header[_CONFIG_KEY])
+            return config, load_file(self.cache_path, device="cpu")  # memory-mapped, no copy
+        config, hf_state_dict = convert_gguf(self.path, reader=self.reader())
+        fused = fuse_hf_state_dict(config, hf_state_dict)
+        del hf_state_dict
+        header = {
+            _CONFIG_KEY: _config_to_json(config),
+            _FIELDS_KEY: json.dumps(_metadata_values(self.reader())),
+            "source": str(self.path),
+        }
+        try:
+            _write_cache_atomically(self.cache_path, fused, header)
+        except OSError as exc:  # an unwritable cache costs speed next time, not this load
+            warnings.warn(f"could not write GGUF cache {self.cache_path}: {exc}", stacklevel=2)
+        return config, fused
+
+    def load_model(self, device: torch.device, dtype: torch.dtype) -> tuple[LlamaConfig, LlamaForCausalLM]:
+        config, state_dict = self.load_weights()
+        for name in list(state_dict):  # one tensor at a time: never two full copies of the model
+            state_dict[name] = state_dict[name].to(device=device, dtype=dtype)
+        return config, build_llama(config, state_dict, dtype, fused=True)
+
+
+def load_gguf_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype, cache_dir: str | Path | None = None
+) -> tuple[LlamaConfig, LlamaForCausalLM]:
+    return GGUFFile(path, cache_dir).load_model(device, dtype)
+
+
+def _metadata_values(reader: Any) -> dict[str, Any]:
+    """Every key/value field but the file header's (``GGUF.*``), as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def _write_cache_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write to a temporary file in the same directory, then rename: readers never see half a file."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp_name, metadata=metadata)
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp_name, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+
+
+def _config_to_json(config: LlamaConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def _config_from_json(text: str) -> LlamaConfig:
+    fields = json.loads(text)
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    if fields.get("rope_freq_factors") is not None:
+        fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+    return LlamaConfig(**fields)

@@ -1,0 +1,314 @@
+"""The Llama decoder over a flat batch of tokens and a paged KV cache.
+
+One forward takes every new token of the step as one row (``input_ids``/``positions`` ``[num_tokens]``);
+:class:`~tokenmill.model.attention.AttentionMetadata` says which rows form which sequence. Q, K and V come
+from one fused matmul, gate and up from another. Weights arrive with Hugging Face names through
+:meth:`LlamaForCausalLM.load_hf_state_dict`, which does the fusing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.config import LlamaConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# Tensors some checkpoints carry that the model recomputes instead.
+_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias and without random init: a loader fills the weight."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without random init (on ``meta`` that init alone imports torch._dynamo: ~1.5 s)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 angular frequencies, with llama3 / linear scaling applied."""
+    dim = config.head_dim
+    # explicit CPU device: stays real even under a `with torch.device("meta")` block
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling is not None and scaling["rope_type"] == "llama3":
+        # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv_freq
+        blend = ((original_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+        inv_freq = torch.where(
+            wavelen < original_len / high,
+            inv_freq,
+            torch.where(wavelen > original_len / low, inv_freq / factor, blended),
+        )
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by per-token angles; ``cos``/``sin`` are ``[T, 1, D // 2]``.
+
+    Pairs are (i, i + D/2), the Hugging Face layout (GGUF's interleaved pairs are undone at load time).
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, qkv_size)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.requires_grad_(False)
+        # A plain attribute, not a buffer: it stays real (and float32) when the model is built on "meta".
+        self._inv_freq = rope_inv_freq(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[num_tokens]`` -> final-normed hidden states ``[num_tokens, hidden]``.
+
+        Writes the new tokens' K/V into ``kv_caches[layer]`` at ``meta.slot_mapping`` before attending.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"need one KV cache per layer ({len(self.model.layers)}), got {len(kv_caches)}")
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rope_cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv_cache)
+        return self.model.norm(x)
+
+    def _rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2], float32
+        # [T, 1, D/2]: broadcast over heads
+        return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab]`` float32. Pass only the rows that need logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named weights, fusing q/k/v and gate/up. Tensors are cast to the model's dtype.
+
+        A model built on the ``meta`` device takes the tensors' device (no second copy is made).
+        """
+        self.load_fused_state_dict(fuse_hf_state_dict(self.config, state_dict))
+
+    def load_fused_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights under this module's own names (``...qkv_proj.weight``), as :func:`fuse_hf_state_dict` makes.
+
+        On a ``meta`` model a tensor already of the right dtype becomes the parameter itself (no copy).
+        """
+        params = dict(self.named_parameters())
+        missing = [name for name in params if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in params]
+        if missing or unexpected:
+            raise ValueError(
+                f"fused weights do not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        for name, tensor in state_dict.items():
+            old = params[name]
+            if tuple(old.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(old.shape)}"
+                )
+            module_name, _, attr = name.rpartition(".")
+            if old.is_meta:
+                setattr(
+                    self.get_submodule(module_name),
+                    attr,
+                    nn.Parameter(tensor.to(old.dtype), requires_grad=False),
+                )
+            else:
+                old.copy_(tensor)
+
+
+def hf_tensor_names(config: LlamaConfig) -> list[str]:
+    """The Hugging Face tensor names a checkpoint of ``config`` has."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        names += [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+        names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def fuse_hf_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names; ValueError listing missing or unexpected tensors."""
+    expected = hf_tensor_names(config)
+    allowed = set(expected)
+    if config.tie_word_embeddings:
+        allowed.add("lm_head.weight")  # some tied checkpoints store the copy anyway; it is not used
+    missing = [n for n in expected if n not in state_dict]
+    unexpected = sorted(n for n in state_dict if n not in allowed and not _IGNORED.fullmatch(n))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(
+                f"missing tensors ({len(missing)}): {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
+        if unexpected:
+            parts.append(
+                f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:8])}"
+                + (" ..." if len(unexpected) > 8 else "")
+            )
+        raise ValueError("checkpoint does not match the Llama config: " + "; ".join(parts))
+    fused: dict[str, torch.Tensor] = {}
+    for name in expected:
+        if re.search(r"\.(k|v|up)_proj\.weight$", name):
+            continue  # folded into q / gate below
+        if name.endswith(".q_proj.weight"):
+            prefix = name.removesuffix(".q_proj.weight")
+            parts = [state_dict[f"{prefix}.{x}_proj.weight"] for x in ("q", "k", "v")]
+            _check_fused_dims(prefix, parts[0].shape[0], parts[1].shape[0], config)
+            fused[f"{prefix}.qkv_proj.weight"] = torch.cat(parts, dim=0)  # [(Hq + 2 Hkv) * D, hidden]
+        elif name.endswith(".gate_proj.weight"):
+            prefix = name.removesuffix(".gate_proj.weight")
+            gate, up = state_dict[f"{prefix}.gate_proj.weight"], state_dict[f"{prefix}.up_proj.weight"]
+            fused[f"{prefix}.gate_up_proj.weight"] = torch.cat(
+                [gate, up], dim=0
+            )  # [2 * intermediate, hidden]
+        else:
+            fused[name] = state_dict[name]
+    return fused
+
+
+def _check_fused_dims(prefix: str, q_rows: int, k_rows: int, config: LlamaConfig) -> None:
+    want_q, want_k = (
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
+    if (q_rows, k_rows) != (want_q, want_k):
+        raise ValueError(f"{prefix}: q/k projections have {q_rows}/{k_rows} rows, expected {want_q}/{want_k}")
+
+
+def build_llama(
+    config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, *, fused: bool = False
+) -> LlamaForCausalLM:
+    """A model holding ``state_dict`` in ``dtype``, on the tensors' device, without random init.
+
+    ``fused``: the names are this module's own (:func:`fuse_hf_state_dict` output), not Hugging Face's.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to(dtype)
+    if fused:
+        model.load_fused_state_dict(state_dict)
+    else:
+        model.load_hf_state_dict(state_dict)
+    return model.eval()

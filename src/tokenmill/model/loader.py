@@ -1,0 +1,129 @@
+"""``load_model``: a path (or nothing, for the embedded default) in, config + weights + tokenizer out.
+
+A ``.gguf`` file goes through :mod:`~tokenmill.model.gguf_loader`, a directory through
+:mod:`~tokenmill.model.hf_loader`. Every problem a user can fix (wrong path, missing files, another
+architecture, a quantization type tokenmill cannot read) is a ``ValueError`` that says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.model.config import LlamaConfig
+from tokenmill.model.embedded import embedded_model_path
+from tokenmill.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    config: LlamaConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    source: str  # the path loaded
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device_dtype(
+    device: str = "auto", dtype: str | torch.dtype | None = None
+) -> tuple[torch.device, torch.dtype]:
+    """``auto`` is CUDA when available, else CPU; the default dtype is float32 on CPU, bfloat16 on CUDA."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if dtype is None:
+        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return resolved, dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return resolved, _DTYPES[dtype]
+
+
+def load_model(
+    model: str | None = None, device: str = "auto", dtype: str | None = None, cache_dir: str | None = None
+) -> LoadedModel:
+    """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file or an HF directory.
+
+    ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
+    """
+    from tokenmill.tokenizer import Tokenizer
+
+    resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
+    path = embedded_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model path not found: {model} (tokenmill loads local .gguf files or HF model directories)"
+        )
+    if path.is_dir():
+        from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
+
+        config = read_hf_config(path)  # fail on config problems before reading anything large
+        safetensors_files(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        config, llama = load_hf_model(path, resolved_device, resolved_dtype, config)
+    elif path.suffix.lower() == ".gguf":
+        from tokenmill.model.gguf_loader import GGUFFile
+
+        gguf_file = GGUFFile(path, cache_dir)
+        # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
+        tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
+        config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    return LoadedModel(
+        config=config,
+        model=llama,
+        tokenizer=tokenizer,
+        source=str(path),
+        device=resolved_device,
+        dtype=resolved_dtype,
+    )
+
+
+def allocate_kv_cache(
+    config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_dim]`` zeros."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    return (
+        2
+        * config.num_hidden_layers
+        * block_size
+        * config.num_key_value_heads
+        * config.head_dim
+        * dtype.itemsize
+    )

@@ -1,0 +1,160 @@
+"""Paged attention: the fast path against the per-sequence reference, the reference against dense SDPA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model import attention
+from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+SCALE = HEAD_DIM**-0.5
+
+
+def _random_step(
+    rng: random.Random,
+    query_lens: list[int],
+    prefix_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """Caches holding random prefixes, random new q/k/v, and metadata over shuffled block tables."""
+    seq_lens = [q + p for q, p in zip(query_lens, prefix_lens)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for seq_len in seq_lens:
+        num_needed = -(-seq_len // block_size) + rng.randint(0, 2)  # sometimes allocated ahead
+        tables.append([free.pop() for _ in range(num_needed)])
+    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(device, dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return q, k_cache, v_cache, meta
+
+
+def test_build_slot_mapping_and_padding() -> None:
+    meta = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4, device="cpu")
+    # seq 0: new tokens at positions 3, 4 -> block 7 offset 3, block 2 offset 0; seq 1: position 2 in block 4
+    assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]
+    assert meta.query_start_loc == [0, 2, 3]
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0]]
+    assert [b.token_rows.tolist() for b in meta.decode_buckets] == [[2]]
+    assert [(p.start, p.end, p.seq_len) for p in meta.prefills] == [(0, 2, 5)]
+
+
+def test_build_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="query_len"):
+        AttentionMetadata.build([3], [2], [[0]], block_size=4, device="cpu")
+    with pytest.raises(ValueError, match="cannot hold"):
+        AttentionMetadata.build([1], [9], [[0, 1]], block_size=4, device="cpu")
+
+
+def test_write_kv_lands_in_slots() -> None:
+    k_cache = torch.zeros(3, 4, NUM_KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    write_kv(k_cache, v_cache, k, v, torch.tensor([9, 2]))
+    torch.testing.assert_close(k_cache[2, 1], k[0])
+    torch.testing.assert_close(v_cache[0, 2], v[1])
+    assert k_cache.abs().sum() == k.abs().sum()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_matches_reference_on_random_mixes(seed: int) -> None:
+    _check_random_mix(seed, "cpu", torch.float32, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None:
+    for seed in range(4):
+        _check_random_mix(seed, "cuda", dtype, atol)
+
+
+def _check_random_mix(seed: int, device: str, dtype: torch.dtype, atol: float) -> None:
+    """A random batch of decode rows, fresh prefills and prefills after a cached prefix."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_size = rng.choice([1, 4, 16])
+    num_seqs = rng.randint(1, 40)
+    query_lens, prefix_lens = [], []
+    for _ in range(num_seqs):
+        kind = rng.choice(["decode", "decode", "fresh", "prefix"])
+        if kind == "decode":
+            query_lens.append(1)
+            prefix_lens.append(rng.randint(0, 80))
+        elif kind == "fresh":
+            query_lens.append(rng.randint(2, 300 if seed % 4 == 0 else 40))
+            prefix_lens.append(0)
+        else:
+            query_lens.append(rng.randint(2, 40))
+            prefix_lens.append(rng.randint(1, 60))
+    num_blocks = sum(-(-(q + p) // block_size) + 2 for q, p in zip(query_lens, prefix_lens)) + 3
+    q, k_cache, v_cache, meta = _random_step(
+        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype
+    )
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=atol, rtol=0)
+
+
+def test_many_decode_rows_use_several_buckets() -> None:
+    rng = random.Random(7)
+    lens = [rng.randint(0, 400) for _ in range(64)]
+    q, k_cache, v_cache, meta = _random_step(rng, [1] * 64, lens, 16, 64 * 28)
+    assert len(meta.decode_buckets) == 4
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 37])
+def test_prefill_sdpa_path_matches_chunked(prefix_len: int) -> None:
+    """The CUDA prefill path (SDPA) and the CPU one (chunked matmuls) agree; both run on CPU here."""
+    rng = random.Random(prefix_len)
+    q, k_cache, v_cache, meta = _random_step(rng, [300], [prefix_len], 8, 60)
+    (seq,) = meta.prefills
+    k = attention._gather_context(k_cache, seq.block_ids, seq.seq_len)
+    v = attention._gather_context(v_cache, seq.block_ids, seq.seq_len)
+    torch.testing.assert_close(
+        attention._prefill_sdpa(q, k, v, seq, SCALE),
+        attention._prefill_chunked(q, k, v, seq, SCALE),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_reference_matches_dense_causal_sdpa() -> None:
+    """One contiguous sequence, no paging: the reference equals plain causal attention."""
+    torch.manual_seed(0)
+    seq_len, block_size = 45, 8
+    q = torch.randn(seq_len, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+    num_blocks = -(-seq_len // block_size)
+    k_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    meta = AttentionMetadata.build([seq_len], [seq_len], [list(range(num_blocks))], block_size, "cpu")
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    group = NUM_HEADS // NUM_KV_HEADS
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [Hq, T, D]
+        k.repeat_interleave(group, dim=1).transpose(0, 1),  # [Hq, T, D]
+        v.repeat_interleave(group, dim=1).transpose(0, 1),
+        is_causal=True,
+        scale=SCALE,
+    ).transpose(0, 1)  # [T, Hq, D]
+    torch.testing.assert_close(
+        paged_attention_reference(q, k_cache, v_cache, meta, SCALE), dense, atol=1e-5, rtol=0
+    )
