@@ -7,41 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The EngineConfig flags shared by every command that builds an engine."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
-    g.add_argument("--quantization", default=None, choices=["int8"])
-    g.add_argument("--num-threads", type=int, default=None)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from tokenmill.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        reserve=args.reserve,
-        quantization=getattr(args, "quantization", None),
-        num_threads=getattr(args, "num_threads", None),
-    )
+from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

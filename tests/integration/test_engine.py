@@ -69,7 +69,7 @@ def _seed_workload():
     return prompts, params
 
 
-@pytest.mark.parametrize("block_size,num_kv_blocks", [(4, 12), (2, 16)])
+@pytest.mark.parametrize("block_size,num_kv_blocks", [(2, 20), (2, 24)])
 def test_forced_preemption_keeps_greedy_tokens(make_engine, block_size, num_kv_blocks):
     prompts, params = _seed_workload()
     free = make_engine(max_num_seqs=8, block_size=16, num_kv_blocks=64)
@@ -98,10 +98,10 @@ def test_forced_preemption_keeps_greedy_tokens(make_engine, block_size, num_kv_b
 
 
 def test_longer_workload_under_pressure(make_engine):
-    prompts = [[200 + 3 * i + j for j in range(8 + 5 * i)] for i in range(10)]
-    params = [greedy(10 + 4 * i) for i in range(10)]
+    prompts = [[200 + 3 * i + j for j in range(8 + 5 * i)] for i in range(8)]
+    params = [greedy(8 + 3 * i) for i in range(8)]
     expected = [o.outputs[0].token_ids for o in make_engine(num_kv_blocks=256).generate(prompts, params)]
-    tight = make_engine(block_size=8, num_kv_blocks=20, max_num_seqs=6)
+    tight = make_engine(block_size=8, num_kv_blocks=14, max_num_seqs=6)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.stats.num_preemptions > 0
     assert got == expected

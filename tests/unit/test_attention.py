@@ -23,6 +23,7 @@ def _random_step(
     num_blocks: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    use_cpp: bool | None = False,
 ):
     """Caches holding random prefixes, random new q/k/v, and metadata over shuffled block tables."""
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens)]
@@ -34,7 +35,7 @@ def _random_step(
         tables.append([free.pop() for _ in range(num_needed)])
     k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
     v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device, use_cpp=use_cpp)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(device, dtype)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
@@ -44,7 +45,7 @@ def _random_step(
 
 
 def test_build_slot_mapping_and_padding() -> None:
-    meta = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4, device="cpu")
+    meta = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4, device="cpu", use_cpp=False)
     # seq 0: new tokens at positions 3, 4 -> block 7 offset 3, block 2 offset 0; seq 1: position 2 in block 4
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]
     assert meta.query_start_loc == [0, 2, 3]
@@ -76,6 +77,29 @@ def test_fast_matches_reference_on_random_mixes(seed: int) -> None:
     _check_random_mix(seed, "cpu", torch.float32, atol=1e-5)
 
 
+def _cpp_kernel_or_skip() -> None:
+    from tokenmill.model.cpu_kernels import paged_decode_kernel
+
+    if paged_decode_kernel() is None:
+        pytest.skip("the C++ paged-decode kernel did not build here (no compiler or ninja)")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpp_decode_kernel_matches_reference(seed: int) -> None:
+    _cpp_kernel_or_skip()
+    _check_random_mix(seed, "cpu", torch.float32, atol=1e-5, use_cpp=True)
+
+
+def test_cpp_decode_kernel_on_a_wide_batch() -> None:
+    _cpp_kernel_or_skip()
+    rng = random.Random(11)
+    lens = [rng.randint(0, 400) for _ in range(64)]
+    q, k_cache, v_cache, meta = _random_step(rng, [1] * 64, lens, 16, 64 * 28, use_cpp=True)
+    assert meta.decode_rows is not None and not meta.decode_buckets
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -84,7 +108,9 @@ def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None
         _check_random_mix(seed, "cuda", dtype, atol)
 
 
-def _check_random_mix(seed: int, device: str, dtype: torch.dtype, atol: float) -> None:
+def _check_random_mix(
+    seed: int, device: str, dtype: torch.dtype, atol: float, use_cpp: bool | None = False
+) -> None:
     """A random batch of decode rows, fresh prefills and prefills after a cached prefix."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -104,7 +130,7 @@ def _check_random_mix(seed: int, device: str, dtype: torch.dtype, atol: float) -
             prefix_lens.append(rng.randint(1, 60))
     num_blocks = sum(-(-(q + p) // block_size) + 2 for q, p in zip(query_lens, prefix_lens)) + 3
     q, k_cache, v_cache, meta = _random_step(
-        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype
+        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype, use_cpp
     )
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=atol, rtol=0)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model.cpu_kernels import paged_decode_kernel
+
 _MAX_DECODE_BUCKETS = 4
 _ROWS_PER_DECODE_BUCKET = 16  # no more buckets than one per this many decode rows
 _PREFILL_CHUNK_TOKENS = 128  # CPU prefill: queries per matmul chunk
@@ -37,6 +39,15 @@ class DecodeBucket:
     block_ids: torch.Tensor  # [num_rows * max_num_blocks] int64: each row's blocks, padded with block 0
     key_mask: torch.Tensor  # [num_rows, 1, 1, max_num_blocks * block_size] bool: True for keys in context
     max_num_blocks: int
+
+
+@dataclass
+class DecodeRows:
+    """All decode rows at once, for the C++ kernel that reads blocks in place (CPU, fp32)."""
+
+    token_rows: torch.Tensor  # [n] int64: flat batch rows
+    block_tables: torch.Tensor  # [n, max_num_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [n] int64
 
 
 @dataclass
@@ -65,7 +76,9 @@ class AttentionMetadata:
     block_size: int
     # Precomputed once per step for paged_attention, shared by all layers.
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    decode_rows: DecodeRows | None = None  # set instead of decode_buckets when the C++ kernel is used
     prefills: list[PrefillSeq] = field(default_factory=list)
+    _decode_plan: tuple[list[int], list[list[int]]] = ([], [])  # to plan buckets lazily
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +92,12 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        use_cpp: bool | None = None,
     ) -> AttentionMetadata:
-        """Sequence ``i`` computes its last ``query_lens[i]`` tokens (the rest of its context is cached)."""
+        """Sequence ``i`` computes its last ``query_lens[i]`` tokens (the rest of its context is cached).
+
+        ``use_cpp`` (default: on CPU when the kernel builds) plans decode rows for the C++ kernel.
+        """
         # positions   0 ............ seq_len - query_len ......... seq_len - 1
         #             |  cached K/V (prefix)  |  new tokens (this step)  |
         # flat rows                           | query_start_loc[i] .. query_start_loc[i + 1] - 1
@@ -111,7 +128,17 @@ class AttentionMetadata:
             block_size=block_size,
         )
         decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
-        meta.decode_buckets = _plan_decode_buckets(decode_seqs, meta, block_tables, device)
+        if use_cpp is None:
+            use_cpp = torch.device(device).type == "cpu" and paged_decode_kernel() is not None
+        if use_cpp and decode_seqs:
+            meta.decode_rows = DecodeRows(
+                token_rows=torch.tensor([query_start_loc[i] for i in decode_seqs], dtype=torch.int64),
+                block_tables=meta.block_tables[decode_seqs],
+                seq_lens=torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.int64),
+            )
+            meta._decode_plan = (decode_seqs, block_tables)
+        else:
+            meta.decode_buckets = _plan_decode_buckets(decode_seqs, meta, block_tables, device)
         meta.prefills = [
             _plan_prefill(i, meta, block_tables[i], device) for i, q in enumerate(query_lens) if q > 1
         ]
@@ -218,6 +245,19 @@ def paged_attention(
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.num_tokens} tokens")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous whatever q's strides
+    rows = meta.decode_rows
+    if rows is not None:
+        kernel = paged_decode_kernel()
+        if kernel is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+            q_rows = q.index_select(0, rows.token_rows)  # [n, Hq, D], contiguous
+            out.index_copy_(
+                0, rows.token_rows, kernel(q_rows, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale)
+            )
+        else:  # not fp32: plan the torch buckets after all
+            meta.decode_buckets = _plan_decode_buckets(
+                *meta._decode_plan[:1], meta, meta._decode_plan[1], q.device
+            )
+            meta.decode_rows = None
     for bucket in meta.decode_buckets:
         out.index_copy_(0, bucket.token_rows, _decode_bucket(q, k_cache, v_cache, bucket, scale))
     use_sdpa = q.device.type == "cuda"

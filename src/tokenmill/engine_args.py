@@ -1,0 +1,45 @@
+"""The engine's command-line flags, shared by every command that builds an engine (generate, chat, serve,
+bench). One definition, so `tokenmill serve --num-kv-blocks` and `tokenmill chat --num-kv-blocks` cannot drift."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.config import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
+    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        reserve=args.reserve,
+        quantization=args.quantization,
+        num_threads=args.num_threads,
+        seed=args.engine_seed,
+    )
