@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from tokenmill.bench.batching_cli import add_bench_batching_arguments, run_bench_batching
 
-    batching = bench.add_parser("batching", help="static vs continuous batching on one clock (the seed's table)")
+    batching = bench.add_parser(
+        "batching", help="static vs continuous batching on one clock (the seed's table)"
+    )
     add_bench_batching_arguments(batching)
     batching.set_defaults(func=run_bench_batching)
     from tokenmill.bench.serve_bench import add_bench_serve_arguments, run_bench_serve

@@ -73,7 +73,9 @@ class EngineConfig:
             if value is not None:
                 _positive(name, value)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
+            )
         if self.reserve not in _RESERVE_CHOICES:
             raise ValueError(f"reserve must be one of {_RESERVE_CHOICES}, got {self.reserve!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

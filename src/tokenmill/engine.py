@@ -64,7 +64,9 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
-            loaded = load_model(config.model, device=config.device, dtype=config.dtype)
+            loaded = load_model(
+                config.model, device=config.device, dtype=config.dtype, quantization=config.quantization
+            )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = _model_name(loaded.source, config.model)
@@ -163,7 +165,9 @@ class Engine:
     def _check_vocab(self, tok: object, name: str) -> None:
         vocab_size = self.tokenizer.vocab_size
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(f"{name}: token id {tok!r} is out of vocabulary (valid ids are 0..{vocab_size - 1})")
+            raise ValueError(
+                f"{name}: token id {tok!r} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
+            )
 
     def abort(self, request_id: str) -> bool:
         """End a request (waiting, running or preempted) as aborted; False when it is unknown or finished.

@@ -24,7 +24,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
     g.add_argument("--quantization", default=None, choices=["int8"])
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)")
+    g.add_argument(
+        "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

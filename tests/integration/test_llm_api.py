@@ -63,8 +63,17 @@ def test_unknown_model_path_raises():
 
 def test_cli_chat_streams_an_answer():
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "chat", "What is the capital of France?", "--max-tokens", "24",
-         "--num-kv-blocks", "64"],
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "chat",
+            "What is the capital of France?",
+            "--max-tokens",
+            "24",
+            "--num-kv-blocks",
+            "64",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

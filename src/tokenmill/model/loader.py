@@ -20,6 +20,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
+QUANTIZATIONS = (None, "int8")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -66,14 +67,22 @@ def resolve_device_dtype(
 
 
 def load_model(
-    model: str | None = None, device: str = "auto", dtype: str | None = None, cache_dir: str | None = None
+    model: str | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
+    cache_dir: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file or an HF directory.
 
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
+    ``quantization="int8"`` swaps the projections and the LM head for weight-only int8 after loading
+    (:mod:`~tokenmill.model.quant`); norms and the embedding table stay in ``dtype``.
     """
     from tokenmill.tokenizer import Tokenizer
 
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
     path = embedded_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
@@ -96,6 +105,10 @@ def load_model(
         config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    if quantization == "int8":
+        from tokenmill.model.quant import quantize_model_int8
+
+        quantize_model_int8(llama)
     return LoadedModel(
         config=config,
         model=llama,
