@@ -1,0 +1,120 @@
+"""Weight-only int8: every projection and the LM head hold int8 weights and one scale per output channel.
+
+Decode at batch 1 streams every weight once per token, so it is bound by memory bandwidth; int8 weights
+are a quarter of the fp32 bytes. Quantization is symmetric per output row: ``scale = max|w_row| / 127``,
+``q = round(w / scale)`` in [-127, 127], so ``|w - q * scale| <= scale / 2`` per element.
+
+Forward on CPU: ``aten._weight_int8pack_mm`` with the activations cast to bf16 and the output cast back.
+In torch 2.13 that kernel is vectorized only for bf16 (fp32 and fp16 inputs run a scalar loop, ~10x
+slower than the fp32 matmul). ``benchmarks/bench_int8_matmul.py`` times it against fp32, against
+``torch._int_mm`` on dynamically quantized int8 activations (as fast at 1 row, 2.5x faster at 16 rows and
+4x at 64, but ``benchmarks/int8_quality.py --int-mm`` puts its NLL cost at +0.045 nats/token where this path
+costs +0.003) and against dequantize-then-matmul. Scales are kept on the bf16 grid, so the kernel's bf16
+copy of them is exact. Elsewhere (CUDA) the forward is the fallback: cast the int8 weight to the compute
+dtype, matmul, scale the output columns (no bandwidth win; correct in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.llama import LlamaForCausalLM
+
+# The one dtype aten._weight_int8pack_mm's CPU kernel is fast in (activations and scales alike).
+_KERNEL_DTYPE = torch.bfloat16
+
+
+def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` -> (``int8 [out, in]``, ``scales [out]`` in ``dtype``), symmetric per row.
+
+    The scale is rounded to ``dtype`` before the weight is divided by it, and nudged up where rounding made
+    ``127 * scale`` fall short of the row's largest magnitude, so ``|w - q * scale| <= scale / 2`` holds for
+    the scales actually stored, in bf16 too.
+    """
+    w32 = weight.detach().float()
+    amax = w32.abs().amax(dim=1)  # [out]
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))  # an all-zero row: any scale, q = 0
+    scales = (amax / 127).to(dtype)
+    short = scales.float() * 127 < amax
+    if short.any():
+        scales = torch.where(short, torch.nextafter(scales, torch.full_like(scales, float("inf"))), scales)
+    q = (w32 / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [out, in]
+    return q, scales
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer over ``weight_int8 [out, in]`` and per-row ``scales [out]``.
+
+    ``scales`` are in the compute dtype; ``scales_bf16`` is the CPU kernel's copy (not saved in a
+    state dict).
+    """
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+    scales_bf16: torch.Tensor
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
+            raise ValueError(
+                f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {weight_int8.dim()}-D"
+            )
+        if tuple(scales.shape) != (weight_int8.shape[0],):
+            raise ValueError(f"scales must have shape ({weight_int8.shape[0]},), got {tuple(scales.shape)}")
+        self.out_features, self.in_features = weight_int8.shape
+        # Buffers: they follow .to(device); .to(dtype) casts the scales and leaves the int8 weight alone.
+        self.register_buffer("weight_int8", weight_int8.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("scales_bf16", scales.to(_KERNEL_DTYPE).contiguous(), persistent=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Linear:
+        """Quantize ``weight [out, in]``; scales in ``dtype`` (default: the weight's dtype), on the bf16 grid."""
+        q, scales = quantize_per_channel(weight, _KERNEL_DTYPE)
+        return cls(q, scales.to(dtype or weight.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the layer computes with, ``[out, in]`` in the scales' dtype."""
+        return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            x2d = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE).contiguous()  # [T, in] bf16
+            scales = self.scales_bf16.to(_KERNEL_DTYPE)  # a no-op unless someone cast the module
+            out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, scales)  # [T, out]
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        # Fallback (CUDA, bf16): the per-row scale commutes with the matmul, so scale the output columns.
+        return F.linear(x, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scales={self.scales.dtype}"
+
+
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@torch.no_grad()
+def quantize_model_int8(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Swap every projection and the LM head for :class:`Int8Linear`, in place; returns ``model``.
+
+    Scales take the dtype of the weight they replace. Norms and the embedding table stay as they are.
+    """
+    for layer in model.model.layers:
+        for path in _PROJECTIONS:
+            parent_name, _, attr = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            old = getattr(parent, attr)
+            if isinstance(old, Int8Linear):
+                continue
+            setattr(parent, attr, Int8Linear.from_weight(old.weight))
+    if not isinstance(model.lm_head, Int8Linear):
+        # Tied embeddings: the head gets its own int8 copy and the embedding table stays in the compute
+        # dtype for lookups (a lookup reads a few rows; only the head streams the whole table every step).
+        # Cost: vocab * hidden bytes plus vocab scales on top of the table: for SmolLM2-135M 28 MB next to
+        # the 113 MB fp32 table, so the model holds ~250 MB instead of 540 MB, and a decode step reads
+        # ~135 MB of weights instead of ~540 MB (28 MB of them the head's, instead of 113 MB).
+        source = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
+        model.lm_head = Int8Linear.from_weight(source)  # type: ignore[assignment]
+    return model
