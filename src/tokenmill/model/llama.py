@@ -23,13 +23,29 @@ _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_fre
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without bias and without random init: a loader fills the weight."""
+    """``nn.Linear`` without bias and without random init: a loader fills the weight.
+
+    On CPU in fp32 :func:`tokenmill.model.cpu_packing.pack_for_cpu` adds ``packed_weight``, the same weight
+    reordered once for oneDNN; the forward then uses it (1.5-2x faster at 3-64 rows on this CPU).
+    """
+
+    packed_weight: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight)
+        return F.linear(x, self.weight)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    """``x [n, in]`` times a oneDNN-packed ``[out, in]`` weight -> ``[n, out]`` (a plain dense tensor)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
 class Embedding(nn.Embedding):
@@ -166,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # A plain attribute, not a buffer: it stays real (and float32) when the model is built on "meta".
         self._inv_freq = rope_inv_freq(config)
+        self.packed_head: torch.Tensor | None = None  # tied head packed for oneDNN (cpu_packing)
 
     def forward(
         self,
@@ -196,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32. Pass only the rows that need logits."""
         if self.lm_head is None:  # tied: the embedding table is the head
+            if self.packed_head is not None:
+                return packed_linear(hidden, self.packed_head).float()
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # an nn.Linear, or an Int8Linear after quantization
 

@@ -109,6 +109,11 @@ def load_model(
         from tokenmill.model.quant import quantize_model_int8
 
         quantize_model_int8(llama)
+    else:
+        from tokenmill.model.cpu_packing import can_pack, pack_for_cpu
+
+        if can_pack(resolved_device, resolved_dtype):
+            pack_for_cpu(llama)
     return LoadedModel(
         config=config,
         model=llama,
