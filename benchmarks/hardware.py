@@ -1,0 +1,195 @@
+"""The machine's limits, measured: matmul throughput at the model's shapes and memory read bandwidth.
+
+Both are "the best this process showed", so a case's lower bound (``cost_model``) is one the same
+threads and dtype could in principle reach:
+
+- ``peak_flops``: the best FLOP/s of ``F.linear(x [M, K], w [N, K])`` over the model's projection
+  shapes (q/k/v/o, gate/up/down, and their fused forms) at a compute-bound number of tokens.
+- ``peak_read_bw``: the best bytes/s of two read-only kernels over a tensor far larger than the
+  last-level cache: ``x.sum()`` and a matrix-vector product (what a decode step does to its weights).
+
+Run alone: ``python benchmarks/hardware.py [--device cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MatmulPoint:
+    name: str
+    num_tokens: int  # M
+    in_features: int  # K
+    out_features: int  # N
+    gflops: float  # achieved, 2*M*K*N / best time
+
+
+@dataclass(frozen=True)
+class HardwareLimits:
+    device: str
+    dtype: str
+    num_threads: int
+    peak_flops: float  # FLOP/s
+    peak_read_bw: float  # bytes/s
+    matmul: list[MatmulPoint] = field(default_factory=list)
+    bandwidth_by_method: dict[str, float] = field(default_factory=dict)  # bytes/s
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        lines = [
+            f"hardware limits on {self.device} ({self.dtype}, {self.num_threads} threads): "
+            f"matmul {self.peak_flops / 1e9:.1f} GFLOP/s, read bandwidth {self.peak_read_bw / 1e9:.1f} GB/s",
+        ]
+        for p in self.matmul:
+            lines.append(
+                f"  matmul {p.name:<10} [{p.num_tokens}x{p.in_features}]x[{p.in_features}x{p.out_features}]"
+                f"  {p.gflops:8.1f} GFLOP/s"
+            )
+        for name, bw in self.bandwidth_by_method.items():
+            lines.append(f"  read   {name:<10} {bw / 1e9:8.1f} GB/s")
+        return "\n".join(lines)
+
+
+def model_matmul_shapes(
+    hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, vocab_size: int
+) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of a decoder layer's projections (unfused and fused) and the LM head."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    return [
+        ("q/o", hidden, q),
+        ("k/v", hidden, kv),
+        ("qkv", hidden, q + 2 * kv),
+        ("gate/up", hidden, intermediate),
+        ("gate_up", hidden, 2 * intermediate),
+        ("down", intermediate, hidden),
+        ("lm_head", hidden, vocab_size),
+    ]
+
+
+def best_time_s(
+    fn: Callable[[], object], sync: Callable[[], None], min_total_s: float = 0.25, min_reps: int = 3
+) -> float:
+    """Best wall time of one call to ``fn`` (after one warm-up call), over at least ``min_reps`` calls."""
+    fn()
+    sync()
+    best = float("inf")
+    total = 0.0
+    reps = 0
+    while reps < min_reps or total < min_total_s:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        total += dt
+        reps += 1
+    return best
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def measure_matmul(
+    shapes: list[tuple[str, int, int]],
+    device: torch.device,
+    dtype: torch.dtype,
+    num_tokens: int = 1024,
+    min_total_s: float = 0.25,
+) -> list[MatmulPoint]:
+    sync = _sync_for(device)
+    points = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, k, n in shapes:
+        x = torch.randn(num_tokens, k, generator=gen).to(device=device, dtype=dtype)  # [M, K]
+        w = torch.randn(n, k, generator=gen).to(device=device, dtype=dtype)  # [N, K]
+        with torch.inference_mode():
+            t = best_time_s(lambda x=x, w=w: F.linear(x, w), sync, min_total_s)
+        points.append(MatmulPoint(name, num_tokens, k, n, 2.0 * num_tokens * k * n / t / 1e9))
+    return points
+
+
+def measure_read_bandwidth(
+    device: torch.device, dtype: torch.dtype, num_bytes: int, min_total_s: float = 0.5
+) -> dict[str, float]:
+    """Bytes/s of read-only kernels over ``num_bytes`` of ``dtype`` (choose it well above the LLC size)."""
+    sync = _sync_for(device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    cols = 4096
+    rows = max(1, num_bytes // (elem * cols))
+    w = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
+    v = torch.ones(cols, device=device, dtype=dtype)  # [C]
+    nbytes = w.numel() * elem
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        out["sum"] = nbytes / best_time_s(lambda: w.sum(), sync, min_total_s)
+        out["gemv"] = nbytes / best_time_s(lambda: torch.mv(w, v), sync, min_total_s)
+    return out
+
+
+def measure(
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    shapes: list[tuple[str, int, int]] | None = None,
+    token_counts: tuple[int, ...] | None = None,
+    bandwidth_bytes: int | None = None,
+    quick: bool = False,
+) -> HardwareLimits:
+    """Measure both limits with the current ``torch.get_num_threads()``.
+
+    Layer matmuls run at each of ``token_counts`` (default 1024 and 4096; 1024 with ``quick``): the
+    largest is what a big prefill chunk sees, where throughput is highest.
+    """
+    device = torch.device(device)
+    if shapes is None:  # SmolLM2-135M's shapes
+        shapes = model_matmul_shapes(576, 1536, 9, 3, 64, 49152)
+    if bandwidth_bytes is None:
+        bandwidth_bytes = (2 << 30) if device.type == "cuda" else (256 << 20)
+    min_total_s = 0.1 if quick else 0.3
+    if token_counts is None:
+        token_counts = (1024,) if quick else (1024, 4096)
+    # The LM head only sees the rows that sample (at most a batch's worth), so it runs at 256 rows.
+    layer_shapes = [sh for sh in shapes if sh[0] != "lm_head"]
+    head_shapes = [sh for sh in shapes if sh[0] == "lm_head"]
+    points = [p for m in token_counts for p in measure_matmul(layer_shapes, device, dtype, m, min_total_s)]
+    points += measure_matmul(head_shapes, device, dtype, 256, min_total_s)
+    bw = measure_read_bandwidth(device, dtype, bandwidth_bytes, min_total_s)
+    return HardwareLimits(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        num_threads=torch.get_num_threads(),
+        peak_flops=max(p.gflops for p in points) * 1e9,
+        peak_read_bw=max(bw.values()),
+        matmul=points,
+        bandwidth_by_method=bw,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    print(measure(args.device, getattr(torch, dtype_name), quick=args.quick).describe())
+
+
+if __name__ == "__main__":
+    main()
