@@ -122,10 +122,25 @@ class _Metric:
 
 
 @dataclass
-class Counter(_Metric):
-    """A monotonically increasing total. Name it ``..._total``."""
+class _ScalarMetric(_Metric):
+    """One number per label set (counters and gauges)."""
 
     values: dict[LabelValues, float] = field(default_factory=dict)
+
+    def get(self, labels: Sequence[str] = ()) -> float:
+        return self.values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        for key, value in self.values.items():
+            lines.append(f"{self.name}{format_labels(self.label_names, key)} {format_value(value)}")
+        return lines
+
+
+@dataclass
+class Counter(_ScalarMetric):
+    """A monotonically increasing total. Name it ``..._total``."""
+
     kind = "counter"
 
     def inc(self, labels: Sequence[str] = (), amount: float = 1.0) -> None:
@@ -139,32 +154,13 @@ class Counter(_Metric):
         key = self._key(labels)
         self.values[key] = max(self.values.get(key, 0.0), float(total))
 
-    def get(self, labels: Sequence[str] = ()) -> float:
-        return self.values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, value in self.values.items():
-            lines.append(f"{self.name}{format_labels(self.label_names, key)} {format_value(value)}")
-        return lines
-
 
 @dataclass
-class Gauge(_Metric):
-    values: dict[LabelValues, float] = field(default_factory=dict)
+class Gauge(_ScalarMetric):
     kind = "gauge"
 
     def set(self, labels: Sequence[str], value: float) -> None:
         self.values[self._key(labels)] = float(value)
-
-    def get(self, labels: Sequence[str] = ()) -> float:
-        return self.values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, value in self.values.items():
-            lines.append(f"{self.name}{format_labels(self.label_names, key)} {format_value(value)}")
-        return lines
 
 
 @dataclass
