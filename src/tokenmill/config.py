@@ -53,7 +53,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.2
+    kv_cache_memory_fraction: float = 0.1
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

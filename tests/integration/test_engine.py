@@ -206,3 +206,20 @@ def test_stats_and_idle_reasons(make_engine):
     assert stats.num_collected_tokens == 60
     assert stats.occupancy == pytest.approx(60 / (8 * 32))
     assert stats.idle_rows_by_reason["queue_empty"] == 8 * 32 - 60
+
+
+def test_pool_sized_from_a_memory_budget(embedded_loaded):
+    from tokenmill.engine import Engine
+    from tokenmill.model.loader import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(embedded_loaded.config, 16, embedded_loaded.dtype)
+    # 30 layers x (K + V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes
+    assert per_block == 30 * 2 * 16 * 3 * 64 * 4
+    engine = Engine(loaded=embedded_loaded, device="cpu", kv_cache_memory_bytes=37 * per_block + 5)
+    assert engine.num_total_blocks == 37
+    assert engine.kv_cache_bytes == 37 * per_block
+    # Without a budget: a fraction of free memory, capped at what max_num_seqs full-length rows could use.
+    capped = Engine(loaded=embedded_loaded, device="cpu", max_num_seqs=2, max_model_len=256)
+    assert capped.num_total_blocks == 2 * 256 // 16
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(loaded=embedded_loaded, device="cpu", kv_cache_memory_bytes=per_block - 1)
