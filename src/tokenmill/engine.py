@@ -216,8 +216,8 @@ class Engine:
 
         result = StepResult(record=scheduler_output.record)
         seen: set[str] = set()
-        ended = [self._requests[i] for i in scheduler_output.finished_ids if i in self._requests]
-        for request in [*touched, *ended, *self._pending_finished]:
+        # `touched` includes requests the scheduler itself ended (preemption bound); aborts come from abort().
+        for request in [*touched, *self._pending_finished]:
             if request.request_id in seen or request.request_id not in self._requests:
                 continue
             seen.add(request.request_id)
