@@ -69,7 +69,7 @@ class Engine:
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.model_name = _model_name(loaded.source, config.model)
+        self.model_name = _model_name(loaded.source)
         model_max_len = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(
@@ -304,7 +304,7 @@ class Engine:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in order."""
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if isinstance(params, Sequence):
             if len(params) != len(prompt_list):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
@@ -330,11 +330,14 @@ class Engine:
         return [results[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a list of token ids) or several, as a non-empty list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
     items = list(prompts)
-    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+    if not items:
+        raise ValueError("prompts must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt given as token ids
     return items
 
@@ -347,13 +350,16 @@ def _to_logprob(token: Any) -> Logprob:
     raise TypeError(f"unexpected logprob record {token!r}")
 
 
-def _model_name(source: str, requested: str | None) -> str:
-    if requested is None:
-        return "SmolLM2-135M-Instruct"
+def _model_name(source: str) -> str:
+    """What clients call the model: the directory's name, or the GGUF file's without its quantization suffix
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``)."""
+    import re
     from pathlib import Path
 
-    name = Path(requested).name
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    name = Path(source).name
+    if not name.endswith(".gguf"):
+        return name
+    return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|F32|BF16)$", "", name[: -len(".gguf")], flags=re.IGNORECASE)
 
 
 def _free_memory_bytes(device: Any) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine import Engine, Prompt
+from tokenmill.engine import Engine, Prompt, as_prompt_list
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (strings or lists of token ids), in order."""
-        prompt_list = _as_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         return self.engine.generate(prompt_list, sampling_params, use_tqdm=use_tqdm and len(prompt_list) > 1)
 
     def chat(
@@ -54,14 +54,3 @@ class LLM:
             prompts.append(self.engine.tokenizer.encode_chat(list(conversation)))  # type: ignore[arg-type]
         outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outputs
-
-
-def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)
-    if not items:
-        raise ValueError("prompts must not be empty")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [items]
-    return items
