@@ -25,7 +25,6 @@ not part of this number).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -35,11 +34,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The engine's default (tokenmill/__init__.py), set before torch starts OpenMP so the times match it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import tokenmill  # noqa: E402,F401  (sets the OpenMP spin count before torch loads)
 from tokenmill.model.quant import quantize_per_channel  # noqa: E402
 
 # (name, N, K): qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.

@@ -2,11 +2,16 @@
 
 import os
 
-# OpenMP threads that spin while waiting turn a busy 2-core machine into a crawl: with another process on the
-# cores, a [4, 576] x [576, 3072] matmul on 2 spinning threads took 24 ms instead of 0.7 ms (measured here,
-# benchmarks/README.md). Passive waiting costs a few microseconds per parallel region on an idle machine.
-# It only takes effect if tokenmill is imported before torch starts its thread pool; set it yourself to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How long an idle OpenMP thread spins before it sleeps, between the parallel regions of a step. libgomp's
+# default (300,000 spins) turns a busy 2-core machine into a crawl: with another process on the cores, a
+# [4, 576] x [576, 3072] matmul took 24 ms instead of 0.7 ms. Not spinning at all (OMP_WAIT_POLICY=PASSIVE)
+# costs a wake-up per region: single-stream decode ran at 32 tok/s instead of 40-43 (fp32) and 65 instead of
+# 101-106 (int8) here. 1,000 spins (tens of microseconds) bridges the gaps inside a step and still yields the
+# core to a neighbour (that matmul: 0.52 ms next to a busy process, 1.08 ms with PASSIVE). Measured in
+# benchmarks/README.md. Only takes effect if tokenmill is imported before torch starts its thread pool, and
+# never overrides the user's OMP_WAIT_POLICY or GOMP_SPINCOUNT.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams

@@ -100,6 +100,44 @@ def test_cpp_decode_kernel_on_a_wide_batch() -> None:
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 16),  # SmolLM2: the register kernel, 3 query heads per KV head
+        (10, 2, 64, 5),  # 5 per KV head: a chunk of 4 and a chunk of 1; blocks not a multiple of 4 tokens
+        (8, 2, 128, 16),  # Llama-3.2-1B's head size: chunks of 2 heads
+        (6, 6, 128, 7),  # no grouping
+        (4, 2, 80, 16),  # a head size without a register kernel: the generic loop
+    ],
+)
+def test_cpp_decode_kernel_head_shapes(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """The kernel's head-size specialisations against a direct softmax(q k^T) v over each row's gathered cache."""
+    from tokenmill.model.cpu_kernels import paged_decode_kernel
+
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the C++ paged-decode kernel did not build here (no compiler or ninja)")
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    lens = [1, 2, 3, 4, 5, 17, 31, 64, 129, 300]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen) * 2  # sharper softmax than unit scale
+    scale = head_dim**-0.5
+    out = kernel(q, k_cache, v_cache, tables, torch.tensor(lens), scale)
+    group = num_heads // num_kv_heads
+    for b, seq_len in enumerate(lens):
+        k = k_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        v = v_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,thd->ht", q[b].double(), k.double()) * scale).softmax(dim=-1)  # [Hq, S]
+        expected = torch.einsum("ht,thd->hd", probs, v.double()).float()  # [Hq, D]
+        torch.testing.assert_close(out[b], expected, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])

@@ -1,40 +1,86 @@
 """Optional C++ kernels for the CPU path, compiled on first use with torch's JIT extension builder.
 
-``paged_decode`` reads each decode row's keys and values in place from the paged cache (no gather into a
-padded copy), which is where the pure-torch decode path spends its time at batch 64. If the compiler or
-ninja is missing, or ``TOKENMILL_NO_CPP=1`` is set, :func:`paged_decode_kernel` returns None and attention
-falls back to the torch path; the tests compare both against the reference.
+- ``paged_decode`` reads each decode row's keys and values in place from the paged cache (no gather into a
+  padded copy), which is where the pure-torch decode path spends its time at batch 64.
+- ``small_linear`` multiplies a few rows by an fp32 or int8 weight, reading the weight once in storage order
+  (``csrc/small_linear.h``); decode at low batch is bound by exactly that read.
+- ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work
+  in one pass each (``csrc/elementwise.h``) instead of chains of 4-10 torch ops.
+- ``DecodeStack`` runs every decoder layer for a step of a few decode rows in one call
+  (``csrc/decode_stack.h``), without the ~2,000 small torch ops per step of the eager forward.
+
+All of them live in one module built from ``csrc/cpu_ops.cpp`` (~40 s, once; cached in
+``~/.cache/torch_extensions``).
+
+If the compiler or ninja is missing, or ``TOKENMILL_NO_CPP=1`` is set, the getters return None and the model
+falls back to torch; the tests compare both against the reference.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 
 
 @cache
-def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+def _module() -> ModuleType | None:
     if os.environ.get("TOKENMILL_NO_CPP") == "1":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(
-            name="tokenmill_paged_decode",
-            sources=[str(_SOURCE)],
+        # The name carries a digest of every source, headers included: an edited header means a new build.
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()[:12]
+        return load(
+            name=f"tokenmill_cpu_ops_{digest}",
+            sources=[str(_CSRC / "cpu_ops.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_CSRC)],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back to torch
-        logger.warning("C++ paged-decode kernel unavailable (%s); using the torch path", exc)
+        logger.warning("C++ kernels unavailable (%s); using the torch path", exc)
         return None
-    return module.paged_decode  # type: ignore[no-any-return]
+
+
+def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    module = _module()
+    return None if module is None else module.paged_decode  # type: ignore[no-any-return]
+
+
+def small_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """``fn(x [M, K] fp32, weight [N, K] fp32 | int8, scale [N] fp32 | None) -> [M, N]``, or None.
+
+    None also where the build lacks AVX-512: the portable loop it would fall back to is slower than oneDNN.
+    """
+    module = _module()
+    if module is None or not module.has_avx512():
+        return None
+    return module.small_linear  # type: ignore[no-any-return]
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """The module with ``rms_norm``, ``add_rms_norm_``, ``silu_mul`` and ``rope_write_kv`` (``csrc/elementwise.h``)
+    when ``x`` is a contiguous fp32 CPU matrix they take, else None (the caller's torch path)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
+        return None
+    return _module()
+
+
+def decode_stack_class() -> type | None:
+    """The C++ ``DecodeStack`` (``csrc/decode_stack.h``), or None; AVX-512 builds only, like small_linear."""
+    module = _module()
+    if module is None or not module.has_avx512():
+        return None
+    return module.DecodeStack  # type: ignore[no-any-return]

@@ -9,6 +9,8 @@ from one fused matmul, gate and up from another. Weights arrive with Hugging Fac
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +18,11 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.model.config import LlamaConfig
+from tokenmill.model.cpu_kernels import fused_ops_for
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# fn(x [M, K] float32, weight [N, K] float32 or int8, scale [N] float32 or None) -> [M, N] (cpu_kernels)
+SmallLinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # Tensors some checkpoints carry that the model recomputes instead.
 _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
@@ -26,10 +31,13 @@ class Linear(nn.Linear):
     """``nn.Linear`` without bias and without random init: a loader fills the weight.
 
     On CPU in fp32 :func:`tokenmill.model.cpu_packing.pack_for_cpu` adds ``packed_weight``, the same weight
-    reordered once for oneDNN; the forward then uses it (1.5-2x faster at 3-64 rows on this CPU).
+    reordered once for oneDNN; the forward then uses it (1.5-2x faster at 3-64 rows on this CPU). It may also
+    set ``small_kernel``, which takes batches of up to ``small_max_rows`` rows straight from ``weight``.
     """
 
     packed_weight: torch.Tensor | None = None
+    small_kernel: SmallLinearKernel | None = None
+    small_max_rows = 0
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -38,6 +46,8 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_kernel is not None and x.dim() == 2 and x.shape[0] <= self.small_max_rows:
+            return self.small_kernel(x, self.weight, None)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight)
         return F.linear(x, self.weight)
@@ -62,6 +72,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -124,12 +137,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        ops = fused_ops_for(qkv)
+        if ops is not None and k_cache.dtype == torch.float32:  # one pass: rotate q/k, store k/v
+            cos2d, sin2d = cos.view(num_tokens, -1), sin.view(num_tokens, -1)  # [T, D/2]
+            q = ops.rope_write_kv(
+                qkv, cos2d, sin2d, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads
+            )  # [T, Hq, D]
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+            k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
 
@@ -141,7 +162,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        ops = fused_ops_for(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -161,8 +186,16 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """``x [T, hidden]`` -> ``[T, hidden]``. On the fused CPU path ``x`` is updated in place (it is the
+        forward's own tensor: the embedding lookup or the previous layer's sum)."""
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        post_norm = self.post_attention_layernorm
+        ops = fused_ops_for(x)
+        if ops is not None and attn_out.is_contiguous():  # x += attn_out, then the norm, in one pass
+            normed = ops.add_rms_norm_(x, attn_out, post_norm.weight, post_norm.eps)
+            return x + self.mlp(normed)
+        x = x + attn_out
+        return x + self.mlp(post_norm(x))
 
 
 class LlamaModel(nn.Module):
@@ -183,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         # A plain attribute, not a buffer: it stays real (and float32) when the model is built on "meta".
         self._inv_freq = rope_inv_freq(config)
         self.packed_head: torch.Tensor | None = None  # tied head packed for oneDNN (cpu_packing)
+        self.small_head: SmallLinearKernel | None = None  # the tied head's few-row kernel (cpu_packing)
+        self.small_head_max_rows = 0
+        # C++ DecodeStack (cpu_packing): whole decode-only steps of up to decode_stack_max_rows rows
+        self.decode_stack: Any = None
+        self.decode_stack_max_rows = 0
 
     def forward(
         self,
@@ -198,6 +236,22 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"need one KV cache per layer ({len(self.model.layers)}), got {len(kv_caches)}")
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rows = meta.decode_rows
+        if (
+            self.decode_stack is not None
+            and rows is not None
+            and x.shape[0] <= self.decode_stack_max_rows
+            and rows.seq_lens.shape[0] == x.shape[0]  # every row decodes one token
+        ):
+            return self.decode_stack.forward(  # type: ignore[no-any-return]
+                x,
+                positions,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                meta.slot_mapping,
+                rows.block_tables,
+                rows.seq_lens,
+            )
         cos, sin = self._rope_cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache)
@@ -213,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32. Pass only the rows that need logits."""
         if self.lm_head is None:  # tied: the embedding table is the head
+            if self.small_head is not None and hidden.shape[0] <= self.small_head_max_rows:
+                return self.small_head(hidden, self.model.embed_tokens.weight, None)
             if self.packed_head is not None:
                 return packed_linear(hidden, self.packed_head).float()
             return F.linear(hidden, self.model.embed_tokens.weight).float()

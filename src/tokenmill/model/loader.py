@@ -105,15 +105,16 @@ def load_model(
         config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    from tokenmill.model.cpu_packing import attach_cpu_kernels, can_pack, pack_for_cpu
+
     if quantization == "int8":
         from tokenmill.model.quant import quantize_model_int8
 
         quantize_model_int8(llama)
-    else:
-        from tokenmill.model.cpu_packing import can_pack, pack_for_cpu
-
-        if can_pack(resolved_device, resolved_dtype):
-            pack_for_cpu(llama)
+        if resolved_device.type == "cpu":
+            attach_cpu_kernels(llama)
+    elif can_pack(resolved_device, resolved_dtype):
+        pack_for_cpu(llama)
     return LoadedModel(
         config=config,
         model=llama,

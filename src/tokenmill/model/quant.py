@@ -4,7 +4,10 @@ Decode at batch 1 streams every weight once per token, so it is bound by memory 
 are a quarter of the fp32 bytes. Quantization is symmetric per output row: ``scale = max|w_row| / 127``,
 ``q = round(w / scale)`` in [-127, 127], so ``|w - q * scale| <= scale / 2`` per element.
 
-Forward on CPU: ``aten._weight_int8pack_mm`` with the activations cast to bf16 and the output cast back.
+Forward on CPU: at 1-4 rows (decode of a few streams) the C++ ``small_linear`` kernel
+(``csrc/small_linear.cpp``), fp32 activations times int8 weights converted in registers, which reads the
+int8 weight at ~16-19 GB/s here; above that ``aten._weight_int8pack_mm`` with the activations cast to bf16
+and the output cast back.
 In torch 2.13 that kernel is vectorized only for bf16 (fp32 and fp16 inputs run a scalar loop, ~10x
 slower than the fp32 matmul). ``benchmarks/bench_int8_matmul.py`` times it against fp32, against
 ``torch._int_mm`` on dynamically quantized int8 activations (as fast at 1 row, 2.5x faster at 16 rows and
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.llama import LlamaForCausalLM, SmallLinearKernel
 
 # The one dtype aten._weight_int8pack_mm's CPU kernel is fast in (activations and scales alike).
 _KERNEL_DTYPE = torch.bfloat16
@@ -54,6 +57,9 @@ class Int8Linear(nn.Module):
     weight_int8: torch.Tensor
     scales: torch.Tensor
     scales_bf16: torch.Tensor
+    # Set by cpu_packing.attach_cpu_kernels: batches of up to small_max_rows rows go to the C++ kernel, fp32 throughout.
+    small_kernel: SmallLinearKernel | None = None
+    small_max_rows = 0
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
@@ -80,6 +86,13 @@ class Int8Linear(nn.Module):
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.small_kernel is not None
+            and x.dim() == 2
+            and x.shape[0] <= self.small_max_rows
+            and x.dtype == self.scales.dtype == torch.float32
+        ):
+            return self.small_kernel(x, self.weight_int8, self.scales)
         if x.device.type == "cpu":
             x2d = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE).contiguous()  # [T, in] bf16
             scales = self.scales_bf16.to(_KERNEL_DTYPE)  # a no-op unless someone cast the module

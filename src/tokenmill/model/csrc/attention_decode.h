@@ -1,0 +1,253 @@
+// Paged attention for decode rows on CPU (fp32): each row's single query attends over its own blocks, read in
+// place from the paged cache. No gather, no padding. Cache layout per layer: [num_blocks, block_size, Hkv, D];
+// query heads h*G .. h*G+G-1 share KV head h.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "simd_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+// out[i] += w * v[i]
+inline void axpy(float w, const float* v, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] += w * v[i];
+}
+
+struct PagedCache {
+  const float* k;
+  const float* v;
+  int64_t block_size, num_kv_heads, head_dim;
+  int64_t token_stride() const { return num_kv_heads * head_dim; }
+  int64_t block_stride() const { return block_size * num_kv_heads * head_dim; }
+};
+
+
+// scores[0, n) = exp(scores - max_score); returns their sum.
+inline float exp_sum(float* scores, int64_t n, float max_score) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(max_score);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
+    _mm512_storeu_ps(scores + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - max_score);
+    sum += scores[t];
+  }
+  return sum;
+}
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled together (larger groups are split)
+
+#if defined(__AVX512F__)
+// [sum(a), sum(b), sum(c), sum(d)] of four 16-lane vectors, with shared shuffles.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a02 b02 a13 b13 / lane
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// attend_group for head_dim = 16 * NV and GC query heads, everything in registers: QK four tokens at a time
+// (one batched reduction per head), the softmax with a vector exp, PV accumulated in GC * NV registers.
+template <int NV, int GC>
+inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_t* block_table, int64_t seq_len,
+                               int64_t kv_head, float scale, float* out, float* scores) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
+  __m512 qv[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), _mm512_set1_ps(scale));
+  for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
+    const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
+    const int64_t n = std::min(BS, seq_len - t0);
+    // Blocks sit anywhere in the pool, so no hardware prefetcher guesses the next one. The pass for KV head 0
+    // asks for the next block's keys and this block's values, every head's (one contiguous span each), into L2:
+    // the row's other heads, run next on this thread, then read them from there.
+    if (kv_head == 0) {
+      const int64_t span = n * ts;  // floats: n tokens x all KV heads
+      const float* k_next = t0 + BS < seq_len ? c.k + block_table[t0 / BS + 1] * bs : nullptr;
+      const float* v_this = c.v + block_table[t0 / BS] * bs;
+      for (int64_t f = 0; f < span; f += 16) {
+        if (k_next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(k_next + f), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v_this + f), _MM_HINT_T1);
+      }
+    }
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      __m512 acc[GC][4];
+      for (int g = 0; g < GC; ++g)
+        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int v = 0; v < NV; ++v)
+        for (int j = 0; j < 4; ++j) {
+          const __m512 kv = _mm512_loadu_ps(kb + (i + j) * ts + 16 * v);
+          for (int g = 0; g < GC; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g][v], kv, acc[g][j]);
+        }
+      for (int g = 0; g < GC; ++g)
+        _mm_storeu_ps(scores + g * seq_len + t0 + i, reduce4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    }
+    for (; i < n; ++i)
+      for (int g = 0; g < GC; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int v = 0; v < NV; ++v) acc = _mm512_fmadd_ps(qv[g][v], _mm512_loadu_ps(kb + i * ts + 16 * v), acc);
+        scores[g * seq_len + t0 + i] = _mm512_reduce_add_ps(acc);
+      }
+  }
+  float inv[GC];
+  for (int g = 0; g < GC; ++g) {
+    float* sg = scores + g * seq_len;
+    const float max_score = *std::max_element(sg, sg + seq_len);
+    inv[g] = 1.f / exp_sum(sg, seq_len, max_score);
+  }
+  __m512 o[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
+    const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
+    const int64_t n = std::min(BS, seq_len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + i * ts + 16 * v);
+      for (int g = 0; g < GC; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * seq_len + t0 + i]);
+        for (int v = 0; v < NV; ++v) o[g][v] = _mm512_fmadd_ps(p, vv[v], o[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(o[g][v], _mm512_set1_ps(inv[g])));
+}
+#endif
+
+// The G (<= kMaxGroup) query heads that share KV head `kv_head`, for one decode row: q [G, D] over the row's first
+// `seq_len` cached tokens -> out [G, D]. `scores` is scratch of at least G * seq_len floats. Each K and V row is
+// loaded once for all G heads.
+inline void attend_group(const float* q, int64_t G, const PagedCache& c, const int64_t* block_table,
+                         int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores) {
+  const int64_t D = c.head_dim;
+#if defined(__AVX512F__)
+  // Register-resident kernels for the common head sizes, in chunks of query heads that fit the 32 registers.
+  if (D == 64 || D == 128) {
+    const int64_t gc = D == 64 ? 4 : 2;
+    for (int64_t g0 = 0; g0 < G; g0 += gc) {
+      const int64_t g = std::min(gc, G - g0);
+      const float* qg = q + g0 * D;
+      float* og = out + g0 * D;
+      if (D == 64) {
+        switch (g) {
+          case 4: attend_group_fixed<4, 4>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
+          case 3: attend_group_fixed<4, 3>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
+          case 2: attend_group_fixed<4, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
+          default: attend_group_fixed<4, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
+        }
+      } else if (g == 2) {
+        attend_group_fixed<8, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores);
+      } else {
+        attend_group_fixed<8, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores);
+      }
+    }
+    return;
+  }
+#endif
+  const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
+
+  float max_score[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
+    const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
+    const int64_t n = std::min(BS, seq_len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = kb + i * ts;
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = dot(q + g * D, k, D) * scale;
+        scores[g * seq_len + t0 + i] = s;
+        max_score[g] = std::max(max_score[g], s);
+      }
+    }
+  }
+  float inv[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / exp_sum(scores + g * seq_len, seq_len, max_score[g]);
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
+    const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
+    const int64_t n = std::min(BS, seq_len - t0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < G; ++g) axpy(scores[g * seq_len + t0 + i] * inv[g], vb + i * ts, out + g * D, D);
+  }
+}
+
+// Rows x KV-head groups as one parallel range: q [B, Hq, D] -> out [B, Hq, D].
+inline void attend_rows(const float* q, const PagedCache& c, const int64_t* block_tables, int64_t max_blocks,
+                        const int64_t* seq_lens, int64_t B, int64_t Hq, float scale, float* out) {
+  const int64_t D = c.head_dim, G = Hq / c.num_kv_heads;
+  const int64_t chunk = std::min(G, kMaxGroup), chunks_per_kv = (G + chunk - 1) / chunk;
+  const int64_t items_per_row = c.num_kv_heads * chunks_per_kv;
+  at::parallel_for(0, B * items_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_row, h = (item % items_per_row) / chunks_per_kv;
+      const int64_t g0 = (item % chunks_per_kv) * chunk, g = std::min(chunk, G - g0);
+      const int64_t head0 = h * G + g0;  // first query head of this chunk
+      scores.resize(g * seq_lens[b]);
+      attend_group(q + (b * Hq + head0) * D, g, c, block_tables + b * max_blocks, seq_lens[b], h, scale,
+                   out + (b * Hq + head0) * D, scores.data());
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
+// seq_lens [B] int64 -> out [B, Hq, D].
+inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "fp32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous only");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 indices");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(Hq % k_cache.size(2) == 0 && k_cache.size(3) == D, "head shapes");
+  auto out = torch::empty_like(q);
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1), k_cache.size(2), D};
+  attend_rows(q.data_ptr<float>(), cache, bt.data_ptr<int64_t>(), bt.size(1), sl.data_ptr<int64_t>(), B, Hq,
+              static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}

@@ -1,0 +1,22 @@
+// tokenmill's CPU kernels, one extension module (built on first use by tokenmill.model.cpu_kernels).
+#include <torch/extension.h>
+
+#include "attention_decode.h"
+#include "decode_stack.h"
+#include "elementwise.h"
+#include "small_linear.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)");
+  m.def("small_linear", &small_linear, "x [M, K] @ W [N, K]^T for a few rows (CPU; W fp32 or int8 + scales)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of residual");
+  m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up [T, I]");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, K/V into the paged cache; returns q");
+  m.def("has_avx512", &has_avx512, "whether the AVX-512 kernels were compiled (else portable loops)");
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
+                          double>())
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

@@ -1,0 +1,211 @@
+"""The C++ CPU kernels (``model/csrc``) against float64 or plain-torch references.
+
+Skipped where the kernels do not build (no compiler) or lack AVX-512: the model then runs the torch path,
+which the rest of the suite covers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model import cpu_kernels
+from tokenmill.model.attention import AttentionMetadata, write_kv
+from tokenmill.model.config import LlamaConfig
+from tokenmill.model.cpu_packing import attach_cpu_kernels
+from tokenmill.model.llama import LlamaForCausalLM, apply_rope
+from tokenmill.model.quant import quantize_model_int8
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if cpu_kernels.small_linear_kernel() is None:
+        pytest.skip("the C++ kernels did not build here, or without AVX-512")
+    return cpu_kernels._module()
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "out_features", "in_features"),
+    [
+        (1, 960, 576),
+        (3, 7, 19),
+        (5, 13, 576),
+        (9, 3072, 576),
+        (2, 576, 1536),
+        (1, 1, 1),
+        (0, 5, 16),
+        (2, 9, 5000),
+    ],
+)
+def test_small_linear_fp32(ops, num_rows: int, out_features: int, in_features: int) -> None:
+    gen = torch.Generator().manual_seed(in_features)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    torch.testing.assert_close(ops.small_linear(x, w, None), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "out_features", "in_features"),
+    [
+        (1, 960, 576),
+        (3, 7, 19),
+        (5, 13, 576),
+        (9, 3072, 576),
+        (64, 576, 1536),
+        (1, 1, 1),
+        (2, 9, 5000),
+        (1, 4, 8200),
+    ],
+)
+def test_small_linear_int8_within_the_int16_rounding_bound(ops, num_rows, out_features, in_features) -> None:
+    """Inputs are rounded to int16 per row (error <= max|x| / 65534 each), the rest is exact."""
+    gen = torch.Generator().manual_seed(in_features + 1)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
+    s = torch.rand(out_features, generator=gen)
+    expected = (x.double() @ q.double().T) * s.double()
+    bound = (x.abs().amax(1, keepdim=True).double() / 65534) * (q.double().abs().sum(1) * s.double())[None, :]
+    error = (ops.small_linear(x, q, s).double() - expected).abs()
+    assert (error <= bound + 1e-5 * expected.abs() + 1e-6).all()
+
+
+def test_small_linear_int8_does_not_overflow(ops) -> None:
+    x = torch.full((1, 8192), 3.0)  # every input at its row's maximum: int16 value 32767
+    q = torch.full((2, 8192), 127, dtype=torch.int8)
+    out = ops.small_linear(x, q, torch.ones(2))
+    torch.testing.assert_close(out, torch.full((1, 2), 3.0 * 127 * 8192), rtol=1e-6, atol=0)
+
+
+def test_small_linear_rejects_bad_input(ops) -> None:
+    with pytest.raises(RuntimeError, match="int8 weight needs scales"):
+        ops.small_linear(torch.randn(1, 4), torch.zeros(2, 4, dtype=torch.int8), None)
+    with pytest.raises(RuntimeError, match="shapes"):
+        ops.small_linear(torch.randn(1, 4), torch.zeros(2, 5), None)
+
+
+def test_rms_norm_and_fused_residual_add(ops) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, delta, w = torch.randn(37, 576, generator=gen), torch.randn(37, 576, generator=gen), torch.rand(576)
+    eps = 1e-5
+
+    def reference(t):
+        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    torch.testing.assert_close(ops.rms_norm(x, w, eps), reference(x), rtol=1e-5, atol=1e-5)
+    residual = x.clone()
+    normed = ops.add_rms_norm_(residual, delta, w, eps)
+    torch.testing.assert_close(residual, x + delta)  # updated in place
+    torch.testing.assert_close(normed, reference(x + delta), rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_matches_torch_over_a_wide_range(ops) -> None:
+    gate = torch.cat([torch.linspace(-100, 100, 4001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0])])
+    gate = gate[: gate.numel() // 2 * 2]
+    up = torch.randn_like(gate)
+    gate_up = torch.stack([gate, up]).reshape(1, -1)  # one row: gate | up
+    out = ops.silu_mul(gate_up.reshape(1, -1))
+    torch.testing.assert_close(out[0], F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+
+
+def test_rope_write_kv_matches_torch(ops) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, num_tokens = 9, 3, 64, 11
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 50
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(40, generator=gen)[:num_tokens]
+    caches = [torch.zeros(5, 8, num_kv_heads, head_dim) for _ in range(4)]
+    q = ops.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, num_heads, num_kv_heads)
+    q_ref, k_ref, v_ref = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
+    q_ref = apply_rope(q_ref.view(num_tokens, num_heads, head_dim), cos[:, None], sin[:, None])
+    k_ref = apply_rope(k_ref.view(num_tokens, num_kv_heads, head_dim), cos[:, None], sin[:, None])
+    write_kv(caches[2], caches[3], k_ref, v_ref.view(num_tokens, num_kv_heads, head_dim), slots)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(caches[0], caches[2])
+    torch.testing.assert_close(caches[1], caches[3])
+
+
+# --- the whole decode stack against the eager forward ------------------------------------------------
+def _tiny_model(seed: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=192,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,  # the register attention kernel
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(
+                1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param)
+            )
+    return model.eval()
+
+
+def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):
+    """Random caches, then one decode token per row over shuffled block tables: ``(logits, caches)``."""
+    rng = random.Random(seed)
+    config, block_size = model.config, 16
+    lens = [rng.randint(1, 90) for _ in range(num_rows)]
+    free = list(range(num_rows * 8))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_rows * 8, block_size, config.num_key_value_heads, config.head_dim)
+    caches = [
+        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.model.layers
+    ]
+    meta = AttentionMetadata.build([1] * num_rows, lens, tables, block_size, "cpu")
+    input_ids = torch.randint(0, config.vocab_size, (num_rows,), generator=gen)
+    positions = torch.tensor([n - 1 for n in lens])
+    with torch.inference_mode():
+        hidden = model(input_ids, positions, meta, caches)
+        return model.compute_logits(hidden), caches
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8])
+@pytest.mark.parametrize("int8", [False, True])
+def test_decode_stack_matches_the_eager_forward(ops, num_rows: int, int8: bool) -> None:
+    model = _tiny_model(seed=num_rows)
+    if int8:
+        quantize_model_int8(model)
+    attach_cpu_kernels(model)
+    assert model.decode_stack is not None and model.decode_stack_max_rows >= 8
+    stacked, stacked_caches = _decode_step(model, num_rows, seed=num_rows)
+    model.decode_stack = None
+    eager, eager_caches = _decode_step(model, num_rows, seed=num_rows)
+    # int8: both paths round activations to int16 per row, and a last-bit difference upstream can move one
+    # element across a rounding boundary (max|x| / 32767); fp32 differs only in summation order.
+    tol = 1e-3 if int8 else 1e-4
+    torch.testing.assert_close(stacked, eager, rtol=tol, atol=tol)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, eager_caches):  # the same new K/V landed in the same slots
+        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+
+
+def test_torch_fallback_matches_the_kernels(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager forward with every C++ kernel off (what non-AVX-512 CPUs and CUDA run) gives the same logits."""
+    model = _tiny_model(seed=5)
+    attach_cpu_kernels(model)
+    with_kernels, _ = _decode_step(model, 4, seed=5)
+    monkeypatch.setattr(cpu_kernels, "_module", lambda: None)
+    plain = _tiny_model(seed=5)
+    assert attach_cpu_kernels(plain) == 0 and plain.decode_stack is None
+    without, _ = _decode_step(plain, 4, seed=5)
+    torch.testing.assert_close(with_kernels, without, rtol=1e-4, atol=1e-4)
