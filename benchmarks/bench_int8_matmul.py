@@ -25,6 +25,7 @@ not part of this number).
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 import time
@@ -33,11 +34,11 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# The engine's default (tokenmill/__init__.py), set before torch starts OpenMP so the times match it.
+# The engine's OpenMP setting (tokenmill/__init__.py), in place before torch loads so the times match it.
+importlib.import_module("tokenmill")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import tokenmill  # noqa: E402,F401  (sets the OpenMP spin count before torch loads)
 from tokenmill.model.quant import quantize_per_channel  # noqa: E402
 
 # (name, N, K): qkv_proj, o_proj, gate_up_proj, down_proj, lm_head.

@@ -174,6 +174,32 @@ def _check_random_mix(
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=atol, rtol=0)
 
 
+def test_cpp_kernel_takes_short_prefills_and_leaves_long_ones_to_matmuls() -> None:
+    _cpp_kernel_or_skip()
+    rng = random.Random(5)
+    long_len = attention.KERNEL_PREFILL_MAX_LEN + 37
+    query_lens, prefix_lens = [1, 30, long_len, 12, 1], [40, 0, 0, 25, 3]
+    q, k_cache, v_cache, meta = _random_step(rng, query_lens, prefix_lens, 16, 80, use_cpp=True)
+    assert meta.prefill_rows is not None and meta.prefill_rows.token_rows.numel() == 30 + 12
+    assert [seq.end - seq.start for seq in meta.prefills] == [long_len]
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
+
+
+def test_cpp_plan_falls_back_to_torch_for_bfloat16() -> None:
+    """Metadata planned for the fp32 kernel still works when the tensors turn out to be bf16."""
+    _cpp_kernel_or_skip()
+    rng = random.Random(6)
+    q, k_cache, v_cache, meta = _random_step(
+        rng, [1, 20, 1, 7], [30, 0, 9, 14], 16, 20, dtype=torch.bfloat16, use_cpp=True
+    )
+    assert meta.decode_rows is not None and meta.prefill_rows is not None
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
+    got = paged_attention(q, k_cache, v_cache, meta, SCALE)
+    assert meta.decode_rows is None and meta.prefill_rows is None and len(meta.prefills) == 2
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
+
+
 def test_many_decode_rows_use_several_buckets() -> None:
     rng = random.Random(7)
     lens = [rng.randint(0, 400) for _ in range(64)]

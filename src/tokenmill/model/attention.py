@@ -29,6 +29,9 @@ from tokenmill.model.cpu_kernels import paged_decode_kernel
 _MAX_DECODE_BUCKETS = 4
 _ROWS_PER_DECODE_BUCKET = 16  # no more buckets than one per this many decode rows
 _PREFILL_CHUNK_TOKENS = 128  # CPU prefill: queries per matmul chunk
+# CPU prefills of up to this many tokens (prefix included) go through the C++ kernel one query token per row;
+# longer ones through chunked matmuls, whose work grows better with length (benchmarks/README.md).
+KERNEL_PREFILL_MAX_LEN = 512
 
 
 @dataclass
@@ -43,11 +46,15 @@ class DecodeBucket:
 
 @dataclass
 class DecodeRows:
-    """All decode rows at once, for the C++ kernel that reads blocks in place (CPU, fp32)."""
+    """Rows of one query token each, for the C++ kernel that reads blocks in place (CPU, fp32): the decode rows,
+    or every token of the short prefills, each over its own causal prefix."""
 
     token_rows: torch.Tensor  # [n] int64: flat batch rows
-    block_tables: torch.Tensor  # [n, max_num_blocks] int64, padded with 0
-    seq_lens: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [num_tables, max_num_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [n] int64: keys each row sees
+    table_index: torch.Tensor | None = (
+        None  # [n] int64: the block table of each row (None: row i uses table i)
+    )
 
 
 @dataclass
@@ -78,7 +85,9 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     decode_rows: DecodeRows | None = None  # set instead of decode_buckets when the C++ kernel is used
     prefills: list[PrefillSeq] = field(default_factory=list)
+    prefill_rows: DecodeRows | None = None  # short prefills' tokens, for the C++ kernel (instead of prefills)
     _decode_plan: tuple[list[int], list[list[int]]] = ([], [])  # to plan buckets lazily
+    _kernel_prefill_seqs: list[int] = field(default_factory=list)  # to plan them as PrefillSeq lazily
 
     @property
     def num_tokens(self) -> int:
@@ -139,8 +148,26 @@ class AttentionMetadata:
             meta._decode_plan = (decode_seqs, block_tables)
         else:
             meta.decode_buckets = _plan_decode_buckets(decode_seqs, meta, block_tables, device)
+        prefill_seqs = [i for i, q in enumerate(query_lens) if q > 1]
+        if use_cpp:
+            meta._kernel_prefill_seqs = [i for i in prefill_seqs if seq_lens[i] <= KERNEL_PREFILL_MAX_LEN]
+        if meta._kernel_prefill_seqs:
+            rows, lens, tables = [], [], []
+            for i in meta._kernel_prefill_seqs:
+                first_pos = seq_lens[i] - query_lens[i]
+                rows.extend(range(query_start_loc[i], query_start_loc[i + 1]))
+                lens.extend(range(first_pos + 1, seq_lens[i] + 1))  # token at position p sees p + 1 keys
+                tables.extend([i] * query_lens[i])
+            meta.prefill_rows = DecodeRows(
+                token_rows=torch.tensor(rows, dtype=torch.int64),
+                block_tables=meta.block_tables,
+                seq_lens=torch.tensor(lens, dtype=torch.int64),
+                table_index=torch.tensor(tables, dtype=torch.int64),
+            )
+            meta._decode_plan = (meta._decode_plan[0], block_tables)
+        kernel_seqs = set(meta._kernel_prefill_seqs)
         meta.prefills = [
-            _plan_prefill(i, meta, block_tables[i], device) for i, q in enumerate(query_lens) if q > 1
+            _plan_prefill(i, meta, block_tables[i], device) for i in prefill_seqs if i not in kernel_seqs
         ]
         return meta
 
@@ -245,19 +272,26 @@ def paged_attention(
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.num_tokens} tokens")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous whatever q's strides
-    rows = meta.decode_rows
-    if rows is not None:
-        kernel = paged_decode_kernel()
-        if kernel is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+    kernel = paged_decode_kernel()
+    fp32 = q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    for rows in (meta.decode_rows, meta.prefill_rows):
+        if rows is None:
+            continue
+        if kernel is not None and fp32:
             q_rows = q.index_select(0, rows.token_rows)  # [n, Hq, D], contiguous
-            out.index_copy_(
-                0, rows.token_rows, kernel(q_rows, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale)
+            attended = kernel(
+                q_rows, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, rows.table_index
             )
-        else:  # not fp32: plan the torch buckets after all
+            out.index_copy_(0, rows.token_rows, attended)
+        elif rows is meta.decode_rows:  # not fp32: plan the torch buckets after all
             meta.decode_buckets = _plan_decode_buckets(
                 *meta._decode_plan[:1], meta, meta._decode_plan[1], q.device
             )
             meta.decode_rows = None
+        else:  # ... and the torch prefills
+            tables = meta._decode_plan[1]
+            meta.prefills += [_plan_prefill(i, meta, tables[i], q.device) for i in meta._kernel_prefill_seqs]
+            meta.prefill_rows, meta._kernel_prefill_seqs = None, []
     for bucket in meta.decode_buckets:
         out.index_copy_(0, bucket.token_rows, _decode_bucket(q, k_cache, v_cache, bucket, scale))
     use_sdpa = q.device.type == "cuda"

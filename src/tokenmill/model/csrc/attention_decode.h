@@ -214,8 +214,10 @@ inline void attend_group(const float* q, int64_t G, const PagedCache& c, const i
 }
 
 // Rows x KV-head groups as one parallel range: q [B, Hq, D] -> out [B, Hq, D].
+// Row b reads block table table_index[b] (b itself when table_index is null).
 inline void attend_rows(const float* q, const PagedCache& c, const int64_t* block_tables, int64_t max_blocks,
-                        const int64_t* seq_lens, int64_t B, int64_t Hq, float scale, float* out) {
+                        const int64_t* seq_lens, int64_t B, int64_t Hq, float scale, float* out,
+                        const int64_t* table_index = nullptr) {
   const int64_t D = c.head_dim, G = Hq / c.num_kv_heads;
   const int64_t chunk = std::min(G, kMaxGroup), chunks_per_kv = (G + chunk - 1) / chunk;
   const int64_t items_per_row = c.num_kv_heads * chunks_per_kv;
@@ -226,7 +228,8 @@ inline void attend_rows(const float* q, const PagedCache& c, const int64_t* bloc
       const int64_t g0 = (item % chunks_per_kv) * chunk, g = std::min(chunk, G - g0);
       const int64_t head0 = h * G + g0;  // first query head of this chunk
       scores.resize(g * seq_lens[b]);
-      attend_group(q + (b * Hq + head0) * D, g, c, block_tables + b * max_blocks, seq_lens[b], h, scale,
+      const int64_t table = table_index != nullptr ? table_index[b] : b;
+      attend_group(q + (b * Hq + head0) * D, g, c, block_tables + table * max_blocks, seq_lens[b], h, scale,
                    out + (b * Hq + head0) * D, scores.data());
     }
   });
@@ -234,20 +237,40 @@ inline void attend_rows(const float* q, const PagedCache& c, const int64_t* bloc
 
 }  // namespace
 
-// q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
-// seq_lens [B] int64 -> out [B, Hq, D].
+// q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [num_tables, max_blocks] int64;
+// seq_lens [B] int64; table_index [B] int64 (optional: which table row b reads; default b) -> out [B, Hq, D].
+// A prefill token is a row too: its query over its own causal prefix (seq_len = position + 1).
 inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "fp32 only");
+                                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                  c10::optional<torch::Tensor> table_index) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
+              "fp32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 indices");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(Hq % k_cache.size(2) == 0 && k_cache.size(3) == D, "head shapes");
-  auto out = torch::empty_like(q);
+  TORCH_CHECK(Hq % k_cache.size(2) == 0 && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(), "head shapes");
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
-  const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1), k_cache.size(2), D};
-  attend_rows(q.data_ptr<float>(), cache, bt.data_ptr<int64_t>(), bt.size(1), sl.data_ptr<int64_t>(), B, Hq,
-              static_cast<float>(scale), out.data_ptr<float>());
+  TORCH_CHECK(bt.dim() == 2 && sl.numel() == B, "block_tables [num_tables, max_blocks], seq_lens [B]");
+  torch::Tensor ti;
+  if (table_index.has_value()) {
+    ti = table_index->contiguous();
+    TORCH_CHECK(ti.dtype() == torch::kInt64 && ti.numel() == B, "table_index: int64 [B]");
+  } else {
+    TORCH_CHECK(bt.size(0) == B, "one block table per row");
+  }
+  // Bounds: every row's tokens lie in its table, every table entry in the pool (no read outside the caches).
+  const int64_t BS = k_cache.size(1), max_blocks = bt.size(1), num_blocks = k_cache.size(0);
+  const int64_t* tp = bt.data_ptr<int64_t>();
+  for (int64_t i = 0; i < bt.numel(); ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "block id out of range");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = sl.data_ptr<int64_t>()[b];
+    TORCH_CHECK(len > 0 && len <= max_blocks * BS, "seq_len out of range");
+    if (ti.defined()) TORCH_CHECK(ti.data_ptr<int64_t>()[b] >= 0 && ti.data_ptr<int64_t>()[b] < bt.size(0), "table_index");
+  }
+  auto out = torch::empty_like(q);
+  const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS, k_cache.size(2), D};
+  attend_rows(q.data_ptr<float>(), cache, tp, max_blocks, sl.data_ptr<int64_t>(), B, Hq, static_cast<float>(scale),
+              out.data_ptr<float>(), ti.defined() ? ti.data_ptr<int64_t>() : nullptr);
   return out;
 }

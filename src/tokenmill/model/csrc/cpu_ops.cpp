@@ -7,7 +7,9 @@
 #include "small_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)");
+  m.def("paged_decode", &paged_decode, "paged attention of one query per row (CPU, fp32)", pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("scale"), pybind11::arg("table_index") = pybind11::none());
   m.def("small_linear", &small_linear, "x [M, K] @ W [N, K]^T for a few rows (CPU; W fp32 or int8 + scales)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of residual");

@@ -99,6 +99,13 @@ class DecodeStack {
     const int64_t* slots = slots_t.data_ptr<int64_t>();
     const int64_t* lens = lens_t.data_ptr<int64_t>();
     const int64_t max_blocks = tables_t.size(1);
+    TORCH_CHECK(num_layers() > 0 && k_caches[0].dim() == 4, "KV caches: [num_blocks, block_size, Hkv, D]");
+    const int64_t num_blocks = k_caches[0].size(0), block_size = k_caches[0].size(1);
+    const int64_t* tables = tables_t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < tables_t.numel(); ++i)
+      TORCH_CHECK(tables[i] >= 0 && tables[i] < num_blocks, "block id out of range");
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(lens[m] > 0 && lens[m] <= max_blocks * block_size, "seq_len out of range");
 
     // cos/sin [M, D/2], in float32 as LlamaForCausalLM._rope_cos_sin computes them
     const int64_t half = D / 2;
@@ -124,8 +131,9 @@ class DecodeStack {
       const torch::Tensor& kc = k_caches[l];
       const torch::Tensor& vc = v_caches[l];
       TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
-                      vc.scalar_type() == torch::kFloat32 && kc.dim() == 4 && kc.size(2) == Hkv && kc.size(3) == D,
-                  "KV caches: contiguous fp32 [num_blocks, block_size, Hkv, D]");
+                      vc.scalar_type() == torch::kFloat32 && kc.dim() == 4 && kc.size(0) == num_blocks &&
+                      kc.size(1) == block_size && kc.size(2) == Hkv && kc.size(3) == D && vc.sizes() == kc.sizes(),
+                  "KV caches: contiguous fp32 [num_blocks, block_size, Hkv, D], the same for every layer");
       const int64_t num_slots = kc.size(0) * kc.size(1);
       float* kp = kc.data_ptr<float>();
       float* vp = vc.data_ptr<float>();
@@ -143,7 +151,7 @@ class DecodeStack {
         std::copy(row, row + q_size, q_rows.data() + m * q_size);
       }
       const PagedCache cache{kp, vp, kc.size(1), Hkv, D};
-      attend_rows(q_rows.data(), cache, tables_t.data_ptr<int64_t>(), max_blocks, lens, M, Hq,
+      attend_rows(q_rows.data(), cache, tables, max_blocks, lens, M, Hq,
                   1.f / std::sqrt(static_cast<float>(D)), attn.data());
       L.o.apply(attn.data(), M, proj.data());
       for (int64_t i = 0; i < M * H; ++i) h[i] += proj[i];
