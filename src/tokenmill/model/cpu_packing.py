@@ -2,11 +2,12 @@
 
 Two kernels, picked per call by the number of rows:
 
-- **few rows** (decode of 1-2 streams, or 1-4 with int8 weights): the C++ ``small_linear`` kernel
-  (:func:`tokenmill.model.cpu_kernels.small_linear_kernel`) reads the weight as stored, once, with a
-  prefetch. Measured here (``benchmarks/bench_small_linear.py``, 2 threads, the 120 projections of
-  SmolLM2-135M cycled from memory): 1 row 16.6 ms fp32 against oneDNN's 21.0 ms, int8 6.7 ms against
-  torch's int8 kernel's 7.9 ms; at 4 rows they are even and beyond that the kernels below win.
+- **few rows** (decode of 1-4 streams; int8 weights: every batch): the C++ ``small_linear`` kernel
+  (:func:`tokenmill.model.cpu_kernels.small_linear_kernel`) reads the weight as stored, once, prefetching 32 KB
+  ahead. Measured here (``benchmarks/bench_small_linear.py``, 2 threads, the 120 projections of
+  SmolLM2-135M cycled from memory): fp32 13.8 / 13.4 / 15.0 / 24.4 ms at 1 / 2 / 4 / 8 rows against oneDNN's
+  20.7 / 22.1 / 19.3 / 22.5 ms; int8 3.5 / 3.4 / 4.5 / 7.6 ms against torch's int8 kernel's 8.1 / 10.2 / 11.4
+  / 21.7 ms, and 1.5x faster than it up to 2,048 rows.
 - **more rows**: oneDNN with a reordered ("packed") copy of each fp32 weight. Measured here (weights cycled
   from memory, one ``[3072, 576]`` projection): ``F.linear`` 1.73 ms at 16 rows and 3.63 ms at 64; the packed
   weight 0.79 ms and 2.43 ms, and 20% faster at 512 rows. The packed copy is a second copy of each weight (the
@@ -30,10 +31,11 @@ from tokenmill.model.quant import Int8Linear
 logger = logging.getLogger(__name__)
 _PACK_FOR_ROWS = 64  # the batch size oneDNN picks its blocking for; any row count works
 # Up to how many rows the few-row kernel beats the alternative (the measurements above).
-SMALL_FP32_MAX_ROWS = 2
+SMALL_FP32_MAX_ROWS = 4
 SMALL_INT8_MAX_ROWS = 1 << 30  # every batch: faster than torch's int8 kernel at 1-2,048 rows
-# The C++ decode stack (measured with the model's forward + head at 100 tokens of context): fp32 wins up to 8
-# rows (2 rows: 26.7 vs 32.1 ms eager; 16 rows: 58.8 vs 44.2), int8 at every batch up to 64 (103.8 vs 113.2 ms).
+# The C++ decode stack (the model's forward + head at 100 tokens of context, against the eager forward): fp32
+# 13.9 vs 16.7 ms at 1 row, 20.1 vs 27.9 at 4, even at 8 (34.3 vs 33.8), behind from 16 (59.8 vs 46.3); int8
+# ahead at every batch up to 64 (103.8 vs 113.2 ms).
 DECODE_STACK_MAX_ROWS_FP32 = 8
 DECODE_STACK_MAX_ROWS_INT8 = 1 << 30
 

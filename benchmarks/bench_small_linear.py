@@ -1,0 +1,98 @@
+"""The few-row C++ matmul (``model/csrc/small_linear.h``) next to the kernels it replaces, on CPU.
+
+    python benchmarks/bench_small_linear.py [--rows 1,2,4,8,16,64] [--layers 30] [--repeats 5] [--threads 2]
+
+For each row count, the time of all projections of ``--layers`` layers of SmolLM2-135M (qkv, o, gate_up, down:
+the weights of 30 layers are 420 MB of fp32, so every call reads its weight from memory as in a decode step):
+
+- ``onednn``: fp32 through oneDNN with a packed weight (the model's path from 5 rows up),
+- ``small``: fp32 through ``small_linear``,
+- ``small8``: int8 weights through ``small_linear`` (int16 inputs, VNNI),
+- ``torch8``: int8 weights through ``aten._weight_int8pack_mm`` on bf16 inputs (torch's own int8 kernel).
+
+Printed side by side in one run, with the GB/s each reaches on its weight bytes; the best of ``--repeats``
+rounds, the paths alternating inside each round so drift on this shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+importlib.import_module("tokenmill")  # its OpenMP setting must be in place before torch loads
+import torch  # noqa: E402
+
+from tokenmill.model.cpu_kernels import small_linear_kernel  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,64")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernel = small_linear_kernel()
+    if kernel is None:
+        sys.exit("the C++ small_linear kernel is unavailable here (no compiler, or no AVX-512)")
+    gen = torch.Generator().manual_seed(0)
+    fp32 = [[torch.randn(n, k, generator=gen) for n, k in SHAPES] for _ in range(args.layers)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in fp32]
+    int8 = [
+        [
+            (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n))
+            for n, k in SHAPES
+        ]
+        for _ in range(args.layers)
+    ]
+    scales_bf16 = [[s.bfloat16() for _, s in layer] for layer in int8]
+    num_weights = args.layers * sum(n * k for n, k in SHAPES)
+    print(
+        f"{args.layers} layers, {num_weights * 4 / 1e6:.0f} MB fp32 / {num_weights / 1e6:.0f} MB int8, {args.threads} threads"
+    )
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k, generator=gen) for _, k in SHAPES}
+        xb = {k: x.bfloat16() for k, x in xs.items()}
+        paths: dict[str, tuple[Callable[[int, int], object], int]] = {
+            "onednn": (
+                lambda i, j, xs=xs: torch.ops.mkldnn._linear_pointwise(
+                    xs[SHAPES[j][1]], packed[i][j], None, "none", [], ""
+                ),
+                4,
+            ),
+            "small": (lambda i, j, xs=xs: kernel(xs[SHAPES[j][1]], fp32[i][j], None), 4),
+            "small8": (lambda i, j, xs=xs: kernel(xs[SHAPES[j][1]], *int8[i][j]), 1),
+            "torch8": (
+                lambda i, j, xb=xb: torch.ops.aten._weight_int8pack_mm(
+                    xb[SHAPES[j][1]], int8[i][j][0], scales_bf16[i][j]
+                ),
+                1,
+            ),
+        }
+        best = dict.fromkeys(paths, float("inf"))
+        with torch.inference_mode():
+            for _ in range(args.repeats):
+                for name, (fn, _) in paths.items():
+                    t0 = time.perf_counter()
+                    for i in range(args.layers):
+                        for j in range(len(SHAPES)):
+                            fn(i, j)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        cells = [
+            f"{name} {best[name] * 1e3:7.2f} ms ({num_weights * width / best[name] / 1e9:4.1f} GB/s)"
+            for name, (_, width) in paths.items()
+        ]
+        print(f"rows {m:4d}: " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
