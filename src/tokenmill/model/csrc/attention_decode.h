@@ -102,12 +102,13 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
     // asks for the next block's keys and this block's values, every head's (one contiguous span each), into L2:
     // the row's other heads, run next on this thread, then read them from there.
     if (kv_head == 0) {
-      const int64_t span = n * ts;  // floats: n tokens x all KV heads
-      const float* k_next = t0 + BS < seq_len ? c.k + block_table[t0 / BS + 1] * bs : nullptr;
-      const float* v_this = c.v + block_table[t0 / BS] * bs;
+      const int64_t span = BS * ts;  // floats: a block's tokens x all KV heads
+      const int64_t ahead = t0 / BS + 3;
+      const float* k_next = ahead * BS < seq_len ? c.k + block_table[ahead] * bs : nullptr;
+      const float* v_next = (ahead - 1) * BS < seq_len ? c.v + block_table[ahead - 1] * bs : nullptr;
       for (int64_t f = 0; f < span; f += 16) {
         if (k_next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(k_next + f), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(v_this + f), _MM_HINT_T1);
+        if (v_next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(v_next + f), _MM_HINT_T1);
       }
     }
     int64_t i = 0;
