@@ -4,17 +4,20 @@ Decode at batch 1 streams every weight once per token, so it is bound by memory 
 are a quarter of the fp32 bytes. Quantization is symmetric per output row: ``scale = max|w_row| / 127``,
 ``q = round(w / scale)`` in [-127, 127], so ``|w - q * scale| <= scale / 2`` per element.
 
-Forward on CPU: at 1-4 rows (decode of a few streams) the C++ ``small_linear`` kernel
-(``csrc/small_linear.cpp``), fp32 activations times int8 weights converted in registers, which reads the
-int8 weight at ~16-19 GB/s here; above that ``aten._weight_int8pack_mm`` with the activations cast to bf16
-and the output cast back.
-In torch 2.13 that kernel is vectorized only for bf16 (fp32 and fp16 inputs run a scalar loop, ~10x
-slower than the fp32 matmul). ``benchmarks/bench_int8_matmul.py`` times it against fp32, against
-``torch._int_mm`` on dynamically quantized int8 activations (as fast at 1 row, 2.5x faster at 16 rows and
-4x at 64, but ``benchmarks/int8_quality.py --int-mm`` puts its NLL cost at +0.045 nats/token where this path
-costs +0.003) and against dequantize-then-matmul. Scales are kept on the bf16 grid, so the kernel's bf16
-copy of them is exact. Elsewhere (CUDA) the forward is the fallback: cast the int8 weight to the compute
-dtype, matmul, scale the output columns (no bandwidth win; correct in bf16).
+Forward on CPU, once :func:`tokenmill.model.cpu_packing.attach_cpu_kernels` has run (the loader does it): the
+C++ ``small_linear`` kernel (``csrc/small_linear.h``) at every batch size. It rounds the activations to int16
+fixed point per row and multiplies with VNNI int16 dot products into exact int32 sums; it reads the int8
+weight at ~25-30 GB/s at batch 1 and is 1.5x torch's int8 kernel up to 2,048 rows
+(``benchmarks/bench_small_linear.py``). Quality (``benchmarks/int8_quality.py``, the embedded model against
+fp32): NLL of a 376-token text 3.1404 -> 3.1462 nats/token (+0.0058; perplexity +0.6%), top-1 agreement 97.1%,
+4 of 16 greedy 32-token continuations identical (this model's greedy output is fragile: bf16 weights give 6).
+The first path, ``aten._weight_int8pack_mm`` on bf16 activations, cost +0.0033 nats/token and 96.3% top-1; it is
+the fallback without the C++ kernel. In torch 2.13 that kernel is vectorized only for bf16 (fp32 and fp16
+inputs run a scalar loop). ``benchmarks/bench_int8_matmul.py`` times it against fp32, against ``torch._int_mm``
+on dynamically quantized int8 activations (NLL cost +0.045 nats/token with ``int8_quality.py --int-mm``) and
+against dequantize-then-matmul. Scales are kept on the bf16 grid, so the kernel's bf16 copy of them is exact.
+Elsewhere (CUDA) the forward dequantizes: cast the int8 weight to the compute dtype, matmul, scale the output
+columns (no bandwidth win; correct in bf16).
 """
 
 from __future__ import annotations
