@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import random_model
 
 from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionMetadata, write_kv
@@ -148,14 +149,7 @@ def _tiny_model(seed: int) -> LlamaForCausalLM:
         bos_token_id=1,
         eos_token_ids=(2,),
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(
-                1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param)
-            )
-    return model.eval()
+    return random_model(config, seed)
 
 
 def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import random_model
 
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.config import LlamaConfig
@@ -33,16 +34,6 @@ def _tiny_config(tie: bool) -> LlamaConfig:
         bos_token_id=1,
         eos_token_ids=(2,),
     )
-
-
-def _random_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # weights start uninitialized; norms near 1, the rest large enough to matter
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    return model
 
 
 def _all_logits(model: LlamaForCausalLM, config: LlamaConfig, token_ids: list[int]) -> torch.Tensor:
@@ -107,7 +98,7 @@ def test_int8_linear_rejects_bad_tensors() -> None:
 @pytest.mark.parametrize("tie", [False, True])
 def test_quantized_model_logits_close_to_fp32(tie: bool) -> None:
     config = _tiny_config(tie)
-    model = _random_model(config)
+    model = random_model(config)
     tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     reference = _all_logits(model, config, tokens)
     embedding = model.model.embed_tokens.weight.clone()
@@ -140,7 +131,7 @@ def _write_tiny_hf_dir(model_dir: Path, config: LlamaConfig) -> None:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
 
-    model = _random_model(config, seed=4)
+    model = random_model(config, seed=4)
     fused = dict(model.named_parameters())
     q_rows, kv_rows = (
         config.num_attention_heads * config.head_dim,

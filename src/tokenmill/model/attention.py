@@ -52,9 +52,8 @@ class DecodeRows:
     token_rows: torch.Tensor  # [n] int64: flat batch rows
     block_tables: torch.Tensor  # [num_tables, max_num_blocks] int64, padded with 0
     seq_lens: torch.Tensor  # [n] int64: keys each row sees
-    table_index: torch.Tensor | None = (
-        None  # [n] int64: the block table of each row (None: row i uses table i)
-    )
+    # [n] int64: which block table each row reads (None: row i reads table i)
+    table_index: torch.Tensor | None = None
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Optional C++ kernels for the CPU path, compiled on first use with torch's JIT extension builder.
 
-- ``paged_decode`` reads each decode row's keys and values in place from the paged cache (no gather into a
-  padded copy), which is where the pure-torch decode path spends its time at batch 64.
+- ``paged_decode`` attends one query token per row (a decode row, or a token of a short prefill over its causal
+  prefix), reading keys and values in place from the paged cache (``csrc/attention_decode.h``): no gather into a
+  padded copy, which is where the pure-torch decode path spends its time at batch 64.
 - ``small_linear`` multiplies a few rows by an fp32 or int8 weight, reading the weight once in storage order
   (``csrc/small_linear.h``); decode at low batch is bound by exactly that read.
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work

@@ -13,7 +13,7 @@ Two kernels, picked per call by the number of rows:
   weight 0.79 ms and 2.43 ms, and 20% faster at 512 rows. The packed copy is a second copy of each weight (the
   loader's copy stays for the embedding lookup, the few-row kernel and tests); the model's fp32 weights are
   memory-mapped from the dequantization cache, so that copy is page cache, not process memory.
-  Int8 layers use torch's ``_weight_int8pack_mm`` there (:mod:`tokenmill.model.quant`).
+  Int8 layers keep ``small_linear`` here too (torch's ``_weight_int8pack_mm`` only without the C++ kernels).
 """
 
 from __future__ import annotations
