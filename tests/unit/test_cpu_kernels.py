@@ -28,19 +28,23 @@ def ops():
     return cpu_kernels._module()
 
 
-@pytest.mark.parametrize(
-    ("num_rows", "out_features", "in_features"),
-    [
-        (1, 960, 576),
-        (3, 7, 19),
-        (5, 13, 576),
-        (9, 3072, 576),
-        (2, 576, 1536),
-        (1, 1, 1),
-        (0, 5, 16),
-        (2, 9, 5000),
-    ],
-)
+# (rows, out, in): the model's shapes, tails in every dimension, no rows, a 64-row batch, and in beyond one
+# int32 flush of the int8 path (4,096 inputs)
+MATMUL_SHAPES = [
+    (1, 960, 576),
+    (3, 7, 19),
+    (5, 13, 576),
+    (9, 3072, 576),
+    (2, 576, 1536),
+    (64, 576, 1536),
+    (1, 1, 1),
+    (0, 5, 16),
+    (2, 9, 5000),
+    (1, 4, 8200),
+]
+
+
+@pytest.mark.parametrize(("num_rows", "out_features", "in_features"), MATMUL_SHAPES)
 def test_small_linear_fp32(ops, num_rows: int, out_features: int, in_features: int) -> None:
     gen = torch.Generator().manual_seed(in_features)
     x = torch.randn(num_rows, in_features, generator=gen)
@@ -48,19 +52,7 @@ def test_small_linear_fp32(ops, num_rows: int, out_features: int, in_features: i
     torch.testing.assert_close(ops.small_linear(x, w, None), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    ("num_rows", "out_features", "in_features"),
-    [
-        (1, 960, 576),
-        (3, 7, 19),
-        (5, 13, 576),
-        (9, 3072, 576),
-        (64, 576, 1536),
-        (1, 1, 1),
-        (2, 9, 5000),
-        (1, 4, 8200),
-    ],
-)
+@pytest.mark.parametrize(("num_rows", "out_features", "in_features"), MATMUL_SHAPES)
 def test_small_linear_int8_within_the_int16_rounding_bound(ops, num_rows, out_features, in_features) -> None:
     """Inputs are rounded to int16 per row (error <= max|x| / 65534 each), the rest is exact."""
     gen = torch.Generator().manual_seed(in_features + 1)
