@@ -16,7 +16,7 @@ from tiny_models import random_model
 from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionMetadata, write_kv
 from tokenmill.model.config import LlamaConfig
-from tokenmill.model.cpu_packing import attach_cpu_kernels
+from tokenmill.model.cpu_packing import attach_cpu_kernels, pack_for_cpu
 from tokenmill.model.llama import LlamaForCausalLM, apply_rope
 from tokenmill.model.quant import quantize_model_int8
 
@@ -70,6 +70,31 @@ def test_small_linear_int8_does_not_overflow(ops) -> None:
     q = torch.full((2, 8192), 127, dtype=torch.int8)
     out = ops.small_linear(x, q, torch.ones(2))
     torch.testing.assert_close(out, torch.full((1, 2), 3.0 * 127 * 8192), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "out_features", "in_features"), [*MATMUL_SHAPES, (17, 33, 64), (200, 96, 40)]
+)
+def test_panel_linear_matches_float64(ops, num_rows: int, out_features: int, in_features: int) -> None:
+    """Every row count goes through its own register-block split; columns past a whole panel are masked."""
+    gen = torch.Generator().manual_seed(in_features + 2)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    panels = ops.pack_panels(w)
+    assert panels.shape == (-(-out_features // 32), in_features, 32)
+    out = ops.panel_linear(x, panels, out_features)
+    expected = x.double() @ w.double().T
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+def test_panel_linear_rejects_bad_input(ops) -> None:
+    panels = ops.pack_panels(torch.randn(40, 8))  # two panels
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.panel_linear(torch.randn(2, 8), panels, 70)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.panel_linear(torch.randn(2, 9), panels, 40)
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.panel_linear(torch.randn(2, 8), torch.randn(40, 8), 40)
 
 
 def test_small_linear_rejects_bad_input(ops) -> None:
@@ -171,7 +196,9 @@ def test_decode_stack_matches_the_eager_forward(ops, num_rows: int, int8: bool) 
     model = _tiny_model(seed=num_rows)
     if int8:
         quantize_model_int8(model)
-    attach_cpu_kernels(model)
+        attach_cpu_kernels(model)
+    else:
+        assert pack_for_cpu(model) > 0  # fp32: the stack runs on the panel-packed weights
     assert model.decode_stack is not None and model.decode_stack_max_rows >= 8
     stacked, stacked_caches = _decode_step(model, num_rows, seed=num_rows)
     model.decode_stack = None
@@ -188,7 +215,8 @@ def test_decode_stack_matches_the_eager_forward(ops, num_rows: int, int8: bool) 
 def test_torch_fallback_matches_the_kernels(ops, monkeypatch: pytest.MonkeyPatch) -> None:
     """The eager forward with every C++ kernel off (what non-AVX-512 CPUs and CUDA run) gives the same logits."""
     model = _tiny_model(seed=5)
-    attach_cpu_kernels(model)
+    pack_for_cpu(model)
+    assert model.decode_stack is not None and model.model.layers[0].mlp.down_proj.packed_weight.dim() == 3
     with_kernels, _ = _decode_step(model, 4, seed=5)
     monkeypatch.setattr(cpu_kernels, "_module", lambda: None)
     plain = _tiny_model(seed=5)

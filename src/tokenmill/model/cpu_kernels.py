@@ -3,8 +3,11 @@
 - ``paged_decode`` attends one query token per row (a decode row, or a token of a short prefill over its causal
   prefix), reading keys and values in place from the paged cache (``csrc/attention_decode.h``): no gather into a
   padded copy, which is where the pure-torch decode path spends its time at batch 64.
-- ``small_linear`` multiplies a few rows by an fp32 or int8 weight, reading the weight once in storage order
-  (``csrc/small_linear.h``); decode at low batch is bound by exactly that read.
+- ``panel_linear`` multiplies by an fp32 weight packed as column panels at every batch size
+  (``csrc/panel_linear.h``): the weight read once in storage order for a few decode rows, register-blocked
+  outer products for many.
+- ``small_linear`` multiplies rows by an int8 weight (or an fp32 one as stored), reading the weight once in
+  storage order (``csrc/small_linear.h``).
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work
   in one pass each (``csrc/elementwise.h``) instead of chains of 4-10 torch ops.
 - ``DecodeStack`` runs every decoder layer for a step of a few decode rows in one call
@@ -69,6 +72,17 @@ def small_linear_kernel() -> Callable[..., torch.Tensor] | None:
     if module is None or not module.has_avx512():
         return None
     return module.small_linear  # type: ignore[no-any-return]
+
+
+def panel_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """``(pack, matmul)`` for fp32 linears (``csrc/panel_linear.h``), or None (no kernels, or no AVX-512).
+
+    ``pack(weight [N, K]) -> panels [ceil(N / 32), K, 32]``; ``matmul(x [M, K], panels, N) -> [M, N]``.
+    """
+    module = _module()
+    if module is None or not module.panel_linear_available():
+        return None
+    return module.pack_panels, module.panel_linear
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:

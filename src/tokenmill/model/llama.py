@@ -23,6 +23,8 @@ from tokenmill.model.cpu_kernels import fused_ops_for
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # fn(x [M, K] float32, weight [N, K] float32 or int8, scale [N] float32 or None) -> [M, N] (cpu_kernels)
 SmallLinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# fn(x [M, K], packed weight, N) -> [M, N]: a matmul by a weight reordered once for it (cpu_packing)
+PackedMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # Tensors some checkpoints carry that the model recomputes instead.
 _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
@@ -31,13 +33,12 @@ class Linear(nn.Linear):
     """``nn.Linear`` without bias and without random init: a loader fills the weight.
 
     On CPU in fp32 :func:`tokenmill.model.cpu_packing.pack_for_cpu` adds ``packed_weight``, the same weight
-    reordered once for oneDNN; the forward then uses it (1.5-2x faster at 3-64 rows on this CPU). It may also
-    set ``small_kernel``, which takes batches of up to ``small_max_rows`` rows straight from ``weight``.
+    reordered once (column panels for the C++ ``panel_linear``, else oneDNN's blocked layout), and
+    ``packed_matmul``, which multiplies by it; the forward then uses them at every batch size.
     """
 
     packed_weight: torch.Tensor | None = None
-    small_kernel: SmallLinearKernel | None = None
-    small_max_rows = 0
+    packed_matmul: PackedMatmul | None = None
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -46,16 +47,9 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_kernel is not None and x.dim() == 2 and x.shape[0] <= self.small_max_rows:
-            return self.small_kernel(x, self.weight, None)
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight)
+        if self.packed_matmul is not None and self.packed_weight is not None and x.dim() == 2:
+            return self.packed_matmul(x, self.packed_weight, self.out_features)
         return F.linear(x, self.weight)
-
-
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """``x [n, in]`` times a oneDNN-packed ``[out, in]`` weight -> ``[n, out]`` (a plain dense tensor)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
 class Embedding(nn.Embedding):
@@ -215,9 +209,9 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # A plain attribute, not a buffer: it stays real (and float32) when the model is built on "meta".
         self._inv_freq = rope_inv_freq(config)
-        self.packed_head: torch.Tensor | None = None  # tied head packed for oneDNN (cpu_packing)
-        self.small_head: SmallLinearKernel | None = None  # the tied head's few-row kernel (cpu_packing)
-        self.small_head_max_rows = 0
+        # the tied head's weight reordered once, and the matmul that takes it (cpu_packing)
+        self.packed_head: torch.Tensor | None = None
+        self.packed_head_matmul: PackedMatmul | None = None
         # C++ DecodeStack (cpu_packing): whole decode-only steps of up to decode_stack_max_rows rows
         self.decode_stack: Any = None
         self.decode_stack_max_rows = 0
@@ -267,10 +261,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32. Pass only the rows that need logits."""
         if self.lm_head is None:  # tied: the embedding table is the head
-            if self.small_head is not None and hidden.shape[0] <= self.small_head_max_rows:
-                return self.small_head(hidden, self.model.embed_tokens.weight, None)
-            if self.packed_head is not None:
-                return packed_linear(hidden, self.packed_head).float()
+            if self.packed_head_matmul is not None and self.packed_head is not None:
+                return self.packed_head_matmul(hidden, self.packed_head, self.config.vocab_size).float()
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # an nn.Linear, or an Int8Linear after quantization
 

@@ -72,6 +72,49 @@ inline float exp_sum(float* scores, int64_t n, float max_score) {
   return sum;
 }
 
+
+// Blocks sit anywhere in the pool, so no hardware prefetcher can guess the next one. Each thread walks its own
+// items (row, KV head) in order; this cursor runs kPrefetchBlocks blocks ahead of the keys being read, across item
+// and row boundaries, and asks for that block's keys and values (one KV head's, up to block_size tokens) into L2.
+// Measured (64 rows x 220 tokens x 30 layers, 649 MB of K/V, 2 threads): 30-31 ms against 36-38 ms for the
+// previous scheme (head 0's pass prefetching the whole row's blocks 3 ahead, nothing across rows); 2 or 6-16
+// blocks ahead, the whole block for all heads at once, or token-major passes over all heads of a row were no
+// better, prefetching into L1 worse.
+constexpr int kPrefetchBlocks = 4;
+struct Prefetcher {
+  const PagedCache& c;
+  const int64_t* block_tables;
+  int64_t max_blocks;
+  const int64_t* seq_lens;
+  const int64_t* table_index;
+  int64_t items_per_row, chunks_per_kv;
+  int64_t item, end, block = 0;
+
+  void step() {
+#if defined(__AVX512F__)
+    const int64_t BS = c.block_size, D = c.head_dim, ts = c.token_stride();
+    while (item < end) {
+      const int64_t b = item / items_per_row, h = (item % items_per_row) / chunks_per_kv;
+      const int64_t len = seq_lens[b];
+      if (block * BS < len) {
+        const int64_t table = table_index != nullptr ? table_index[b] : b;
+        const int64_t off = block_tables[table * max_blocks + block] * c.block_stride() + h * D;
+        const int64_t n = std::min(BS, len - block * BS);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t d = 0; d < D; d += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(c.k + off + i * ts + d), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(c.v + off + i * ts + d), _MM_HINT_T1);
+          }
+        ++block;
+        return;
+      }
+      ++item;
+      block = 0;
+    }
+#endif
+  }
+};
+
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled together (larger groups are split)
 
 #if defined(__AVX512F__)
@@ -89,7 +132,7 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // (one batched reduction per head), the softmax with a vector exp, PV accumulated in GC * NV registers.
 template <int NV, int GC>
 inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_t* block_table, int64_t seq_len,
-                               int64_t kv_head, float scale, float* out, float* scores) {
+                               int64_t kv_head, float scale, float* out, float* scores, Prefetcher& pf) {
   constexpr int64_t D = 16 * NV;
   const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
   __m512 qv[GC][NV];
@@ -98,19 +141,7 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
     const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
-    // Blocks sit anywhere in the pool, so no hardware prefetcher guesses the next one. The pass for KV head 0
-    // asks for the next block's keys and this block's values, every head's (one contiguous span each), into L2:
-    // the row's other heads, run next on this thread, then read them from there.
-    if (kv_head == 0) {
-      const int64_t span = BS * ts;  // floats: a block's tokens x all KV heads
-      const int64_t ahead = t0 / BS + 3;
-      const float* k_next = ahead * BS < seq_len ? c.k + block_table[ahead] * bs : nullptr;
-      const float* v_next = (ahead - 1) * BS < seq_len ? c.v + block_table[ahead - 1] * bs : nullptr;
-      for (int64_t f = 0; f < span; f += 16) {
-        if (k_next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(k_next + f), _MM_HINT_T1);
-        if (v_next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(v_next + f), _MM_HINT_T1);
-      }
-    }
+    pf.step();
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
       __m512 acc[GC][4];
@@ -161,7 +192,7 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
 // `seq_len` cached tokens -> out [G, D]. `scores` is scratch of at least G * seq_len floats. Each K and V row is
 // loaded once for all G heads.
 inline void attend_group(const float* q, int64_t G, const PagedCache& c, const int64_t* block_table,
-                         int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores) {
+                         int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores, Prefetcher& pf) {
   const int64_t D = c.head_dim;
 #if defined(__AVX512F__)
   // Register-resident kernels for the common head sizes, in chunks of query heads that fit the 32 registers.
@@ -173,15 +204,15 @@ inline void attend_group(const float* q, int64_t G, const PagedCache& c, const i
       float* og = out + g0 * D;
       if (D == 64) {
         switch (g) {
-          case 4: attend_group_fixed<4, 4>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
-          case 3: attend_group_fixed<4, 3>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
-          case 2: attend_group_fixed<4, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
-          default: attend_group_fixed<4, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores); break;
+          case 4: attend_group_fixed<4, 4>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
+          case 3: attend_group_fixed<4, 3>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
+          case 2: attend_group_fixed<4, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
+          default: attend_group_fixed<4, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
         }
       } else if (g == 2) {
-        attend_group_fixed<8, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores);
+        attend_group_fixed<8, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf);
       } else {
-        attend_group_fixed<8, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores);
+        attend_group_fixed<8, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf);
       }
     }
     return;
@@ -194,6 +225,7 @@ inline void attend_group(const float* q, int64_t G, const PagedCache& c, const i
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
     const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
+    pf.step();
     for (int64_t i = 0; i < n; ++i) {
       const float* k = kb + i * ts;
       for (int64_t g = 0; g < G; ++g) {
@@ -224,6 +256,8 @@ inline void attend_rows(const float* q, const PagedCache& c, const int64_t* bloc
   const int64_t items_per_row = c.num_kv_heads * chunks_per_kv;
   at::parallel_for(0, B * items_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    Prefetcher pf{c, block_tables, max_blocks, seq_lens, table_index, items_per_row, chunks_per_kv, begin, end};
+    for (int p = 0; p < kPrefetchBlocks; ++p) pf.step();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_row, h = (item % items_per_row) / chunks_per_kv;
       const int64_t g0 = (item % chunks_per_kv) * chunk, g = std::min(chunk, G - g0);
@@ -231,7 +265,7 @@ inline void attend_rows(const float* q, const PagedCache& c, const int64_t* bloc
       scores.resize(g * seq_lens[b]);
       const int64_t table = table_index != nullptr ? table_index[b] : b;
       attend_group(q + (b * Hq + head0) * D, g, c, block_tables + table * max_blocks, seq_lens[b], h, scale,
-                   out + (b * Hq + head0) * D, scores.data());
+                   out + (b * Hq + head0) * D, scores.data(), pf);
     }
   });
 }

@@ -4,6 +4,7 @@
 #include "attention_decode.h"
 #include "decode_stack.h"
 #include "elementwise.h"
+#include "panel_linear.h"
 #include "small_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -11,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
         pybind11::arg("scale"), pybind11::arg("table_index") = pybind11::none());
   m.def("small_linear", &small_linear, "x [M, K] @ W [N, K]^T for a few rows (CPU; W fp32 or int8 + scales)");
+  m.def("pack_panels", &pack_panels, "fp32 weight [N, K] -> column panels [ceil(N/32), K, 32] for panel_linear");
+  m.def("panel_linear", &panel_linear, "x [M, K] @ W^T with W as panels [P, K, 32]; N output features (CPU)");
+  m.def("panel_linear_available", &panel_linear_available, "whether panel_linear was compiled (AVX-512)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of residual");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up [T, I]");

@@ -4,8 +4,8 @@
 // ~2,000 small torch ops per step (norms, rope, splits, residual adds: ~13 ms of dispatch on this CPU). This
 // runs the same arithmetic as LlamaDecoderLayer.forward with no per-op dispatch: RMSNorm -> fused QKV ->
 // RoPE -> K/V into the paged cache -> attention -> o_proj + residual -> RMSNorm -> gate/up -> SiLU * up ->
-// down + residual, for every layer, then the final norm. The matmuls are small_linear's; only they and the
-// attention run on more than one thread.
+// down + residual, for every layer, then the final norm. The matmuls are panel_linear's (fp32) or small_linear's
+// (int8); only they and the attention run on more than one thread.
 #pragma once
 #include <torch/extension.h>
 
@@ -14,17 +14,23 @@
 
 #include "attention_decode.h"
 #include "elementwise.h"
+#include "panel_linear.h"
 #include "small_linear.h"
 
 namespace {
 
 struct LinearWeight {
-  torch::Tensor weight;  // [N, K] fp32 or int8
+  torch::Tensor weight;  // fp32 panels [N / 32, K, 32] (panel_linear.h), or int8 [N, K]
   torch::Tensor scale;   // [N] fp32 for int8, undefined for fp32
-  int64_t out_features() const { return weight.size(0); }
+  bool panels() const { return weight.dim() == 3; }
+  int64_t out_features() const { return panels() ? weight.size(0) * kPanel : weight.size(0); }
+  int64_t in_features() const { return weight.size(1); }
   void apply(const float* x, int64_t M, float* y) const {
-    small_linear_raw(x, M, weight.size(1), weight.data_ptr(), scale.defined() ? scale.data_ptr<float>() : nullptr,
-                     y, weight.size(0));
+    if (panels())
+      panel_linear_raw(x, M, in_features(), weight.data_ptr<float>(), out_features(), y);
+    else
+      small_linear_raw(x, M, in_features(), weight.data_ptr(), scale.defined() ? scale.data_ptr<float>() : nullptr,
+                       y, weight.size(0));
   }
 };
 
@@ -52,10 +58,11 @@ class DecodeStack {
     hidden_ = final_norm_.numel();
     auto lin = [](torch::Tensor w, torch::Tensor s) {
       LinearWeight l{w.contiguous(), s.numel() > 0 ? s.contiguous() : torch::Tensor()};
-      TORCH_CHECK(l.weight.scalar_type() == torch::kFloat32 ||
-                      (l.weight.scalar_type() == torch::kInt8 && l.scale.defined() &&
+      TORCH_CHECK((l.weight.scalar_type() == torch::kFloat32 && l.weight.dim() == 3 && l.weight.size(2) == kPanel &&
+                   !l.scale.defined()) ||
+                      (l.weight.scalar_type() == torch::kInt8 && l.weight.dim() == 2 && l.scale.defined() &&
                        l.scale.scalar_type() == torch::kFloat32 && l.scale.numel() == l.weight.size(0)),
-                  "weights are fp32, or int8 with fp32 scales");
+                  "weights are fp32 panels [N / 32, K, 32], or int8 [N, K] with fp32 scales [N]");
       return l;
     };
     for (size_t i = 0; i < tensors.size(); i += 10) {
@@ -63,10 +70,10 @@ class DecodeStack {
                             lin(tensors[i + 4], tensors[i + 5]), lin(tensors[i + 6], tensors[i + 7]),
                             lin(tensors[i + 8], tensors[i + 9])};
       const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-      TORCH_CHECK(L.qkv.out_features() == q_size + 2 * kv_size && L.qkv.weight.size(1) == hidden_, "qkv shape");
-      TORCH_CHECK(L.o.out_features() == hidden_ && L.o.weight.size(1) == q_size, "o_proj shape");
-      TORCH_CHECK(L.gate_up.weight.size(1) == hidden_ && L.gate_up.out_features() % 2 == 0, "gate_up shape");
-      TORCH_CHECK(L.down.out_features() == hidden_ && L.down.weight.size(1) * 2 == L.gate_up.out_features(),
+      TORCH_CHECK(L.qkv.out_features() == q_size + 2 * kv_size && L.qkv.in_features() == hidden_, "qkv shape");
+      TORCH_CHECK(L.o.out_features() == hidden_ && L.o.in_features() == q_size, "o_proj shape");
+      TORCH_CHECK(L.gate_up.in_features() == hidden_ && L.gate_up.out_features() % 2 == 0, "gate_up shape");
+      TORCH_CHECK(L.down.out_features() == hidden_ && L.down.in_features() * 2 == L.gate_up.out_features(),
                   "down shape");
       layers_.push_back(std::move(L));
     }
@@ -120,7 +127,7 @@ class DecodeStack {
 
     const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
     int64_t max_inter = 0;
-    for (const auto& L : layers_) max_inter = std::max(max_inter, L.down.weight.size(1));
+    for (const auto& L : layers_) max_inter = std::max(max_inter, L.down.in_features());
     auto residual = x.contiguous().clone();  // [M, H], updated in place layer by layer
     float* h = residual.data_ptr<float>();
     std::vector<float> normed(M * H), qkv(M * qkv_size), q_rows(M * q_size), attn(M * q_size), proj(M * H),
@@ -158,7 +165,7 @@ class DecodeStack {
 
       for (int64_t m = 0; m < M; ++m)
         rms_norm_row(h + m * H, L.post_norm.data_ptr<float>(), H, eps_, normed.data() + m * H);
-      const int64_t I = L.down.weight.size(1);
+      const int64_t I = L.down.in_features();
       L.gate_up.apply(normed.data(), M, gate_up.data());  // [M, gate | up]
       for (int64_t m = 0; m < M; ++m)
         silu_mul_row(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, I, act.data() + m * I);

@@ -1,0 +1,125 @@
+// fp32 linear layers on CPU at every batch size: y [M, N] = x [M, K] @ W [N, K]^T, W stored as column panels.
+//
+// Packing: W [N, K] -> panels [P, K, 32], P = ceil(N / 32), panel p holding output columns 32p .. 32p+31 for each
+// k in turn (zero-padded past N). One kernel then serves decode and prefill:
+// - each thread owns a contiguous run of panels and reads it once from memory, in storage order, with a
+//   software prefetch 16 KB ahead into L2 (what a decode step of a few rows is bound by);
+// - within a panel, the rows go in near-equal chunks of at most 8: per k two vector loads of the panel and one
+//   broadcast per row feed 2 x rows FMAs into 16 register accumulators (an outer product, no horizontal sums),
+//   and the panel (K x 128 bytes, L2-resident) is reused by every chunk.
+// Measured against oneDNN with its own packed weights (benchmarks/bench_small_linear.py, 2 threads, the 120
+// projections of SmolLM2-135M cycled from memory): 13.0 vs 21.5 ms at 1 row, 14.4 vs 21.7 at 8, 22.4 vs 25.6
+// at 16, 52.4 vs 63.6 at 48, 67.9 vs 76.6 at 64, and within 3% either way at 512-2,048 rows.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;     // output columns per panel (two 16-lane vectors)
+constexpr int kPanelMaxRows = 8;   // rows per register block (2 x 8 accumulators)
+constexpr int64_t kPanelPrefetchBytes = 16384;
+
+#if defined(__AVX512F__)
+// y[0:R, 0:ncols] (row stride ldy) = x[0:R, 0:K] (row stride K) @ panel [K, 32]
+template <int R>
+inline void panel_block(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t ncols) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPanelPrefetchBytes, _MM_HINT_T1);
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      lo[r] = _mm512_fmadd_ps(xb, w0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xb, w1, hi[r]);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? __mmask16(0xFFFF) : ncols <= 16 ? __mmask16(0) : __mmask16((1u << (ncols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, lo[r]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, hi[r]);
+  }
+}
+
+template <int R>
+inline void panel_block_n(int rows, const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
+                          int64_t ncols) {
+  if constexpr (R >= 1) {
+    if (rows == R) return panel_block<R>(x, K, panel, y, ldy, ncols);
+    panel_block_n<R - 1>(rows, x, K, panel, y, ldy, ncols);
+  }
+}
+#endif
+
+}  // namespace
+
+inline bool panel_linear_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = x [M, K] @ W^T from panels [P, K, 32]; x, y contiguous.
+inline void panel_linear_raw(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, float* y) {
+#if defined(__AVX512F__)
+  if (M == 0 || N == 0) return;
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t num_chunks = (M + kPanelMaxRows - 1) / kPanelMaxRows;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t ncols = std::min(kPanel, N - p * kPanel);
+      const float* panel = panels + p * K * kPanel;
+      int64_t m = 0;
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t rows = (M - m) / (num_chunks - c);  // near-equal chunks of at most kPanelMaxRows
+        panel_block_n<kPanelMaxRows>(static_cast<int>(rows), x + m * K, K, panel, y + m * N + p * kPanel, N, ncols);
+        m += rows;
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "panel_linear needs an AVX-512 build");
+#endif
+}
+
+// weight [N, K] fp32 -> panels [ceil(N / 32), K, 32] fp32
+inline torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && !weight.is_cuda(),
+              "weight: fp32 CPU [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  auto w = weight.contiguous();
+  auto out = torch::zeros({P, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n)
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + n % kPanel] = src[n * K + k];
+  });
+  return out;
+}
+
+// x [M, K] fp32; panels [P, K, 32] from pack_panels; N output features (P = ceil(N / 32)) -> y [M, N]
+inline torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && !x.is_cuda(), "x: fp32 CPU [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.size(2) == kPanel &&
+                  panels.is_contiguous(),
+              "panels: contiguous fp32 [P, K, 32] from pack_panels");
+  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " features, the weight ", panels.size(1));
+  TORCH_CHECK(N > 0 && (N + kPanel - 1) / kPanel == panels.size(0), "N does not match the panels");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  panel_linear_raw(x.data_ptr<float>(), x.size(0), x.size(1), panels.data_ptr<float>(), N, y.data_ptr<float>());
+  return y;
+}
