@@ -146,6 +146,58 @@ def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None
         _check_random_mix(seed, "cuda", dtype, atol)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (10, 2, 64, 5), (8, 2, 128, 16), (6, 6, 128, 7), (4, 1, 96, 16)],
+)
+def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """The tiled prefill kernel: tiles of 64 tokens, prompts with and without a cached prefix, longer than the
+    one-token-per-row route takes, a row block straddling tokens, keys past a row's position masked; rows of
+    other sequences left untouched."""
+    from tokenmill.model.cpu_kernels import paged_prefill_kernel
+
+    kernel = paged_prefill_kernel(head_dim)
+    if kernel is None:
+        pytest.skip("the tiled prefill kernel did not build here (no compiler, or no AVX-512)")
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    seqs = [
+        (2, 0),
+        (30, 0),
+        (64, 0),
+        (65, 10),
+        (200, 70),
+        (3, 129),
+        (600, 0),
+    ]  # (query tokens, cached prefix)
+    max_blocks = -(-max(q + p for q, p in seqs) // block_size)
+    num_blocks = len(seqs) * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * max_blocks].view(len(seqs), max_blocks)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    num_tokens = sum(q for q, _ in seqs) + 5  # 5 rows belong to nobody here
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2  # sharper softmax than unit scale
+    rows, start = [], 5
+    for i, (query_len, prefix) in enumerate(seqs):
+        rows.append([start, query_len, prefix, i])
+        start += query_len
+    out = torch.full_like(q, 7.0)
+    scale = head_dim**-0.5
+    kernel(out, q, k_cache, v_cache, tables, torch.tensor(rows), scale)
+    assert (out[:5] == 7.0).all()
+    group = num_heads // num_kv_heads
+    for (start, query_len, prefix, i), _ in zip(rows, seqs):
+        seq_len = prefix + query_len
+        k = k_cache[tables[i]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        v = v_cache[tables[i]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[start : start + query_len].double(), k.double()) * scale
+        visible = torch.arange(seq_len)[None, :] <= torch.arange(prefix, seq_len)[:, None]  # [Tq, S]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [Hq, Tq, S]
+        expected = torch.einsum("hts,shd->thd", probs, v.double()).float()  # [Tq, Hq, D]
+        torch.testing.assert_close(out[start : start + query_len], expected, atol=2e-5, rtol=1e-5)
+
+
 def _check_random_mix(
     seed: int, device: str, dtype: torch.dtype, atol: float, use_cpp: bool | None = False
 ) -> None:

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.cpu_kernels import paged_decode_kernel
+from tokenmill.model.cpu_kernels import paged_decode_kernel, paged_prefill_kernel
 
 _MAX_DECODE_BUCKETS = 4
 _ROWS_PER_DECODE_BUCKET = 16  # no more buckets than one per this many decode rows
 _PREFILL_CHUNK_TOKENS = 128  # CPU prefill: queries per matmul chunk
-# CPU prefills of up to this many tokens (prefix included) go through the C++ kernel one query token per row;
-# longer ones through chunked matmuls, whose work grows better with length (benchmarks/README.md).
+# Without the tiled prefill kernel (a head size it does not take), CPU prefills of up to this many tokens (prefix
+# included) go through the decode kernel one query token per row; longer ones through chunked matmuls, whose work
+# grows better with length (benchmarks/README.md).
 KERNEL_PREFILL_MAX_LEN = 512
 
 
@@ -85,6 +86,9 @@ class AttentionMetadata:
     decode_rows: DecodeRows | None = None  # set instead of decode_buckets when the C++ kernel is used
     prefills: list[PrefillSeq] = field(default_factory=list)
     prefill_rows: DecodeRows | None = None  # short prefills' tokens, for the C++ kernel (instead of prefills)
+    # every prefill for the tiled C++ kernel, which then replaces prefill_rows and prefills (fp32, head size a
+    # multiple of 32): [n, 4] int64 (first flat row, query tokens, position of the first, block table row)
+    prefill_seqs: torch.Tensor | None = None
     _decode_plan: tuple[list[int], list[list[int]]] = ([], [])  # to plan buckets lazily
     _kernel_prefill_seqs: list[int] = field(default_factory=list)  # to plan them as PrefillSeq lazily
 
@@ -163,7 +167,13 @@ class AttentionMetadata:
                 seq_lens=torch.tensor(lens, dtype=torch.int64),
                 table_index=torch.tensor(tables, dtype=torch.int64),
             )
+
             meta._decode_plan = (meta._decode_plan[0], block_tables)
+        if use_cpp and prefill_seqs:  # every prefill, for the tiled kernel where the head size allows it
+            meta.prefill_seqs = torch.tensor(
+                [[query_start_loc[i], query_lens[i], seq_lens[i] - query_lens[i], i] for i in prefill_seqs],
+                dtype=torch.int64,
+            )
         kernel_seqs = set(meta._kernel_prefill_seqs)
         meta.prefills = [
             _plan_prefill(i, meta, block_tables[i], device) for i in prefill_seqs if i not in kernel_seqs
@@ -273,7 +283,12 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous whatever q's strides
     kernel = paged_decode_kernel()
     fp32 = q.dtype == torch.float32 and k_cache.dtype == torch.float32
-    for rows in (meta.decode_rows, meta.prefill_rows):
+    row_sets, prefills = [meta.decode_rows, meta.prefill_rows], meta.prefills
+    tiled = paged_prefill_kernel(q.shape[2]) if fp32 and meta.prefill_seqs is not None else None
+    if tiled is not None:  # every prefill in tiles: a tile's query tokens share the keys and values they read
+        tiled(out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.prefill_seqs, scale)
+        row_sets, prefills = [meta.decode_rows], []
+    for rows in row_sets:
         if rows is None:
             continue
         if kernel is not None and fp32:
@@ -290,11 +305,11 @@ def paged_attention(
         else:  # ... and the torch prefills
             tables = meta._decode_plan[1]
             meta.prefills += [_plan_prefill(i, meta, tables[i], q.device) for i in meta._kernel_prefill_seqs]
-            meta.prefill_rows, meta._kernel_prefill_seqs = None, []
+            meta.prefill_rows, meta.prefill_seqs, meta._kernel_prefill_seqs = None, None, []
     for bucket in meta.decode_buckets:
         out.index_copy_(0, bucket.token_rows, _decode_bucket(q, k_cache, v_cache, bucket, scale))
     use_sdpa = q.device.type == "cuda"
-    for seq in meta.prefills:
+    for seq in prefills:  # meta.prefills itself (the bf16 fallback above may have extended it), or none
         k = _gather_context(k_cache, seq.block_ids, seq.seq_len)  # [S, Hkv, D]
         v = _gather_context(v_cache, seq.block_ids, seq.seq_len)  # [S, Hkv, D]
         prefill = _prefill_sdpa if use_sdpa else _prefill_chunked

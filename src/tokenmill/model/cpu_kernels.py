@@ -3,11 +3,13 @@
 - ``paged_decode`` attends one query token per row (a decode row, or a token of a short prefill over its causal
   prefix), reading keys and values in place from the paged cache (``csrc/attention_decode.h``): no gather into a
   padded copy, which is where the pure-torch decode path spends its time at batch 64.
+- ``paged_prefill_`` attends the tokens of short prefills in tiles per sequence and KV head, as two small
+  register-blocked matrix products over the paged cache (``csrc/attention_prefill.h``).
 - ``panel_linear`` multiplies by an fp32 weight packed as column panels at every batch size
   (``csrc/panel_linear.h``): the weight read once in storage order for a few decode rows, register-blocked
   outer products for many.
-- ``small_linear`` multiplies rows by an int8 weight (or an fp32 one as stored), reading the weight once in
-  storage order (``csrc/small_linear.h``).
+- ``small_linear`` multiplies rows by an int8 weight, reading the weight once in storage order
+  (``csrc/small_linear.h``).
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work
   in one pass each (``csrc/elementwise.h``) instead of chains of 4-10 torch ops.
 - ``DecodeStack`` runs every decoder layer for a step of a few decode rows in one call
@@ -63,10 +65,19 @@ def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.paged_decode  # type: ignore[no-any-return]
 
 
-def small_linear_kernel() -> Callable[..., torch.Tensor] | None:
-    """``fn(x [M, K] fp32, weight [N, K] fp32 | int8, scale [N] fp32 | None) -> [M, N]``, or None.
+def paged_prefill_kernel(head_dim: int) -> Callable[..., None] | None:
+    """``fn(out, q, k_cache, v_cache, block_tables, seqs [n, 4], scale)`` writing the prefill rows of ``out``
+    (``csrc/attention_prefill.h``), or None (no kernels, no AVX-512, or a head size it does not take)."""
+    module = _module()
+    if module is None or not module.paged_prefill_supported(head_dim):
+        return None
+    return module.paged_prefill_  # type: ignore[no-any-return]
 
-    None also where the build lacks AVX-512: the portable loop it would fall back to is slower than oneDNN.
+
+def small_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """``fn(x [M, K] fp32, weight [N, K] int8, scale [N] fp32) -> [M, N]``, or None.
+
+    None also where the build lacks AVX-512: the portable loop it would fall back to is slower than torch's.
     """
     module = _module()
     if module is None or not module.has_avx512():

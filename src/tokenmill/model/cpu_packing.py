@@ -3,7 +3,7 @@
 - **fp32**: every projection, and a tied LM head, gets a reordered copy of its weight and the matmul that takes
   it, used at every batch size: column panels for the C++ ``panel_linear`` (``csrc/panel_linear.h``) where it
   built (AVX-512), else oneDNN's blocked layout (``mkldnn._reorder_linear_weight``). Measured here
-  (``benchmarks/bench_small_linear.py``, 2 threads, the 120 projections of SmolLM2-135M cycled from memory):
+  (``benchmarks/bench_linear.py``, 2 threads, the 120 projections of SmolLM2-135M cycled from memory):
   panels 13.0 / 14.4 / 22.4 / 52.4 / 67.9 ms at 1 / 8 / 16 / 48 / 64 rows against oneDNN's 21.5 / 21.7 /
   25.6 / 63.6 / 76.6 ms, within 3% of it either way at 512-2,048 rows; oneDNN in turn beats ``F.linear``
   (one ``[3072, 576]`` projection: 0.79 vs 1.73 ms at 16 rows, 2.43 vs 3.63 ms at 64). The copy is a second

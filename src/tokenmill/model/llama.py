@@ -21,8 +21,6 @@ from tokenmill.model.config import LlamaConfig
 from tokenmill.model.cpu_kernels import fused_ops_for
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-# fn(x [M, K] float32, weight [N, K] float32 or int8, scale [N] float32 or None) -> [M, N] (cpu_kernels)
-SmallLinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # fn(x [M, K], packed weight, N) -> [M, N]: a matmul by a weight reordered once for it (cpu_packing)
 PackedMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # Tensors some checkpoints carry that the model recomputes instead.

@@ -8,7 +8,7 @@ Forward on CPU, once :func:`tokenmill.model.cpu_packing.attach_cpu_kernels` has 
 C++ ``small_linear`` kernel (``csrc/small_linear.h``) at every batch size. It rounds the activations to int16
 fixed point per row and multiplies with VNNI int16 dot products into exact int32 sums; it reads the int8
 weight at ~25-30 GB/s at batch 1 and is 1.5x torch's int8 kernel up to 2,048 rows
-(``benchmarks/bench_small_linear.py``). Quality (``benchmarks/int8_quality.py``, the embedded model against
+(``benchmarks/bench_linear.py``). Quality (``benchmarks/int8_quality.py``, the embedded model against
 fp32): NLL of a 376-token text 3.1404 -> 3.1462 nats/token (+0.0058; perplexity +0.6%), top-1 agreement 97.1%,
 4 of 16 greedy 32-token continuations identical (this model's greedy output is fragile: bf16 weights give 6).
 The first path, ``aten._weight_int8pack_mm`` on bf16 activations, cost +0.0033 nats/token and 96.3% top-1; it is
@@ -22,11 +22,16 @@ columns (no bandwidth win; correct in bf16).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.llama import LlamaForCausalLM, SmallLinearKernel
+from tokenmill.model.llama import LlamaForCausalLM
+
+# fn(x [M, K] float32, weight [N, K] int8, scale [N] float32) -> [M, N] (cpu_kernels.small_linear_kernel)
+SmallLinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The one dtype aten._weight_int8pack_mm's CPU kernel is fast in (activations and scales alike).
 _KERNEL_DTYPE = torch.bfloat16

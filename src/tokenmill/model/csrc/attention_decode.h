@@ -51,27 +51,42 @@ struct PagedCache {
 };
 
 
-// scores[0, n) = exp(scores - max_score); returns their sum.
+// scores[0, n) = exp(scores - max_score); returns their sum. The tail goes through the vector exp too (masked):
+// a scalar std::exp per leftover element cost ~20 ns each, per row and head.
 inline float exp_sum(float* scores, int64_t n, float max_score) {
-  float sum = 0.f;
-  int64_t t = 0;
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   const __m512 m = _mm512_set1_ps(max_score);
-  for (; t + 16 <= n; t += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
-    _mm512_storeu_ps(scores + t, e);
-    acc = _mm512_add_ps(acc, e);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + t), m));
+    _mm512_mask_storeu_ps(scores + t, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; t < n; ++t) {
+  return _mm512_reduce_add_ps(acc);
+#else
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
     scores[t] = std::exp(scores[t] - max_score);
     sum += scores[t];
   }
   return sum;
+#endif
 }
 
+// max of scores[0, n), n >= 1
+inline float max_of(const float* scores, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, scores + t));
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  return *std::max_element(scores, scores + n);
+#endif
+}
 
 // Blocks sit anywhere in the pool, so no hardware prefetcher can guess the next one. Each thread walks its own
 // items (row, KV head) in order; this cursor runs kPrefetchBlocks blocks ahead of the keys being read, across item
@@ -165,7 +180,7 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
   float inv[GC];
   for (int g = 0; g < GC; ++g) {
     float* sg = scores + g * seq_len;
-    const float max_score = *std::max_element(sg, sg + seq_len);
+    const float max_score = max_of(sg, seq_len);
     inv[g] = 1.f / exp_sum(sg, seq_len, max_score);
   }
   __m512 o[GC][NV];

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "attention_decode.h"
+#include "attention_prefill.h"
 #include "decode_stack.h"
 #include "elementwise.h"
 #include "panel_linear.h"
@@ -11,7 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged attention of one query per row (CPU, fp32)", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
         pybind11::arg("scale"), pybind11::arg("table_index") = pybind11::none());
-  m.def("small_linear", &small_linear, "x [M, K] @ W [N, K]^T for a few rows (CPU; W fp32 or int8 + scales)");
+  m.def("paged_prefill_", &paged_prefill_, "causal attention of prefill tokens in tiles, into out (CPU, fp32)");
+  m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill_ takes this head size");
+  m.def("small_linear", &small_linear, "x [M, K] @ W [N, K]^T * scale (CPU; W int8, scale [N] fp32)");
   m.def("pack_panels", &pack_panels, "fp32 weight [N, K] -> column panels [ceil(N/32), K, 32] for panel_linear");
   m.def("panel_linear", &panel_linear, "x [M, K] @ W^T with W as panels [P, K, 32]; N output features (CPU)");
   m.def("panel_linear_available", &panel_linear_available, "whether panel_linear was compiled (AVX-512)");

@@ -29,8 +29,7 @@ struct LinearWeight {
     if (panels())
       panel_linear_raw(x, M, in_features(), weight.data_ptr<float>(), out_features(), y);
     else
-      small_linear_raw(x, M, in_features(), weight.data_ptr(), scale.defined() ? scale.data_ptr<float>() : nullptr,
-                       y, weight.size(0));
+      small_linear_raw(x, M, in_features(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(), y, weight.size(0));
   }
 };
 

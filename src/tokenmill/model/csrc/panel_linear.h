@@ -7,7 +7,7 @@
 // - within a panel, the rows go in near-equal chunks of at most 8: per k two vector loads of the panel and one
 //   broadcast per row feed 2 x rows FMAs into 16 register accumulators (an outer product, no horizontal sums),
 //   and the panel (K x 128 bytes, L2-resident) is reused by every chunk.
-// Measured against oneDNN with its own packed weights (benchmarks/bench_small_linear.py, 2 threads, the 120
+// Measured against oneDNN with its own packed weights (benchmarks/bench_linear.py, 2 threads, the 120
 // projections of SmolLM2-135M cycled from memory): 13.0 vs 21.5 ms at 1 row, 14.4 vs 21.7 at 8, 22.4 vs 25.6
 // at 16, 52.4 vs 63.6 at 48, 67.9 vs 76.6 at 64, and within 3% either way at 512-2,048 rows.
 #pragma once

@@ -1,19 +1,17 @@
-// Linear layers for a few rows on CPU: y [M, N] = x [M, K] @ W [N, K]^T, W fp32, or int8 with one fp32 scale per
-// output row (y[:, n] *= scale[n]).
+// int8 linear layers on CPU: y [M, N] = (x [M, K] @ W [N, K]^T) * scale[n], W int8 with one fp32 scale per output
+// row, at every batch size (fp32 weights go through panel_linear.h).
 //
-// At 1-4 rows a decode step is bound by reading W from memory, so the loop nest reads W exactly once, in storage
-// order: each thread takes a contiguous band of output rows, and for each tile of 4 weight rows (L1-resident) it
-// runs every group of up to 4 input rows, with a software prefetch one tile ahead.
+// A decode step is bound by reading W from memory, so the loop nest reads W exactly once, in storage order: each
+// thread takes a contiguous band of output rows, and for each tile of 4 weight rows (L1-resident) it runs every
+// group of up to 4 input rows, with a software prefetch one tile ahead.
 //
-// fp32: one FMA per weight, ~24-28 GB/s here against oneDNN's packed-weight kernel at ~20 GB/s (2 threads, the
-// 120 projections of SmolLM2-135M cycled from memory, 1 row).
-// int8: converting each weight to fp32 for an FMA (3 instructions per 16 weights) made the kernel compute-bound
-// at ~13-16 GB/s. Instead the input rows are rounded once per call to int16 fixed point (one scale per row,
+// Converting each weight to fp32 for an FMA (3 instructions per 16 weights) made the kernel compute-bound at
+// ~13-16 GB/s. Instead the input rows are rounded once per call to int16 fixed point (one scale per row,
 // max|x| / 32767: an absolute error of at most 1.5e-5 of the row's largest magnitude; on the small elements of a
 // row with outliers that can exceed bf16's relative rounding, and int8_quality.py puts the whole path at +0.0058
-// nats/token against torch's bf16-input kernel's +0.0033), and VNNI's vpdpwssd multiplies 32 int16 pairs per instruction into int32
-// lanes; the weights are sign-extended to int16 as they load. Exact integer sums, one float conversion at the
-// end (or every 4,096 inputs, so no lane can overflow: 256 steps x 2 x 32767 x 127 < 2^31).
+// nats/token against torch's bf16-input kernel's +0.0033), and VNNI's vpdpwssd multiplies 32 int16 pairs per
+// instruction into int32 lanes; the weights are sign-extended to int16 as they load. Exact integer sums, one float
+// conversion at the end (or every 4,096 inputs, so no lane can overflow: 256 steps x 2 x 32767 x 127 < 2^31).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -69,27 +67,6 @@ inline QuantizedRows quantize_rows_int16(const float* x, int64_t M, int64_t K) {
 
 #ifdef TOKENMILL_AVX512
 
-// fp32 tile: MT input rows x NT weight rows, K reduced in 16-wide steps (the tail masked).
-template <int MT, int NT>
-inline void tile_f32(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-  __m512 acc[MT][NT];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    __m512 xv[MT];
-    for (int i = 0; i < MT; ++i) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * K + k);
-    for (int j = 0; j < NT; ++j) {
-      const float* w_row = w + j * K;
-      _mm_prefetch(reinterpret_cast<const char*>(w_row + k) + kPrefetchBytes, _MM_HINT_T1);  // see kPrefetchBytes
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, w_row + k);
-      for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
 // int8 tile over int16 inputs: 32 weights per step, sign-extended to int16 and dot-accumulated in int32 pairs.
 template <int MT, int NT>
 inline void tile_i8(const QuantizedRows& xq, int64_t m0, int64_t K, const int8_t* w, const float* scale, float* y,
@@ -122,18 +99,6 @@ inline void tile_i8(const QuantizedRows& xq, int64_t m0, int64_t K, const int8_t
 
 // One tile of NT weight rows against every input row, up to kTileM at a time.
 template <int NT>
-inline void tile_rows_f32(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + kTileM <= M; m += kTileM) tile_f32<kTileM, NT>(x + m * K, K, w, y + m * N, N);
-  switch (M - m) {
-    case 3: tile_f32<3, NT>(x + m * K, K, w, y + m * N, N); break;
-    case 2: tile_f32<2, NT>(x + m * K, K, w, y + m * N, N); break;
-    case 1: tile_f32<1, NT>(x + m * K, K, w, y + m * N, N); break;
-    default: break;
-  }
-}
-
-template <int NT>
 inline void tile_rows_i8(const QuantizedRows& xq, int64_t M, int64_t K, const int8_t* w, const float* scale,
                          float* y, int64_t N) {
   int64_t m = 0;
@@ -147,13 +112,6 @@ inline void tile_rows_i8(const QuantizedRows& xq, int64_t M, int64_t K, const in
 }
 
 // Output rows [n0, n1) of y.
-inline void band_f32(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
-                     int64_t n1) {
-  int64_t n = n0;
-  for (; n + kTileN <= n1; n += kTileN) tile_rows_f32<kTileN>(x, M, K, w + n * K, y + n, N);
-  for (; n < n1; ++n) tile_rows_f32<1>(x, M, K, w + n * K, y + n, N);
-}
-
 inline void band_i8(const QuantizedRows& xq, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y,
                     int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
@@ -162,19 +120,6 @@ inline void band_i8(const QuantizedRows& xq, int64_t M, int64_t K, const int8_t*
 }
 
 #else  // portable fallback: correct everywhere, vectorized only as far as the compiler manages
-
-inline void band_f32(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
-                     int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      const float* wr = w + n * K;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < K; ++k) s += xm[k] * wr[k];
-      y[m * N + n] = s;
-    }
-}
 
 inline void band_i8(const QuantizedRows& xq, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y,
                     int64_t N, int64_t n0, int64_t n1) {
@@ -201,40 +146,29 @@ inline bool has_avx512() {
 }
 
 // y [M, N] = x [M, K] @ w [N, K]^T (w int8 when scale != nullptr, then times scale[n]); all contiguous.
-inline void small_linear_raw(const float* x, int64_t M, int64_t K, const void* w, const float* scale, float* y,
+inline void small_linear_raw(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y,
                              int64_t N) {
   if (M == 0 || N == 0) return;
-  QuantizedRows xq;
-  if (scale != nullptr) xq = quantize_rows_int16(x, M, K);
+  const QuantizedRows xq = quantize_rows_int16(x, M, K);
   // Bands of whole tiles; a band of at least 16 tiles so tiny layers are not split into wake-up-bound slivers.
   const int64_t num_tiles = (N + kTileN - 1) / kTileN;
   at::parallel_for(0, num_tiles, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kTileN, n1 = std::min(N, t1 * kTileN);
-    if (scale != nullptr)
-      band_i8(xq, M, K, static_cast<const int8_t*>(w), scale, y, N, n0, n1);
-    else
-      band_f32(x, M, K, static_cast<const float*>(w), y, N, n0, n1);
+    band_i8(xq, M, K, w, scale, y, N, t0 * kTileN, std::min(N, t1 * kTileN));
   });
 }
 
-// x [M, K] fp32; weight [N, K] fp32, or int8 with scale [N] fp32 -> y [M, N] fp32.
-inline torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> scale) {
+// x [M, K] fp32; weight [N, K] int8; scale [N] fp32 -> y [M, N] fp32.
+inline torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
   TORCH_CHECK(!x.is_cuda() && !weight.is_cuda(), "CPU tensors only");
-  const bool int8 = weight.scalar_type() == torch::kInt8;
-  TORCH_CHECK(int8 || weight.scalar_type() == torch::kFloat32, "weight must be float32 or int8");
-  TORCH_CHECK(int8 == scale.has_value(), "an int8 weight needs scales; a float32 weight takes none");
-  torch::Tensor s;
-  if (int8) {
-    s = scale->contiguous();
-    TORCH_CHECK(s.scalar_type() == torch::kFloat32 && s.numel() == weight.size(0), "scale: float32 [N]");
-  }
+  TORCH_CHECK(weight.scalar_type() == torch::kInt8, "weight must be int8 (fp32 weights: panel_linear)");
+  auto s = scale.contiguous();
+  TORCH_CHECK(s.scalar_type() == torch::kFloat32 && s.numel() == weight.size(0), "scale: float32 [N]");
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   auto y = torch::empty({M, N}, x.options());
-  small_linear_raw(x.data_ptr<float>(), M, K, weight.data_ptr(), int8 ? s.data_ptr<float>() : nullptr,
-                   y.data_ptr<float>(), N);
+  small_linear_raw(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<float>(), N);
   return y;
 }

@@ -1,17 +1,18 @@
-"""The few-row C++ matmul (``model/csrc/small_linear.h``) next to the kernels it replaces, on CPU.
+"""The C++ matmuls (``model/csrc/panel_linear.h``, ``small_linear.h``) next to the kernels they replace, on CPU.
 
-    python benchmarks/bench_small_linear.py [--rows 1,2,4,8,16,64] [--layers 30] [--repeats 5] [--threads 2]
+    python benchmarks/bench_linear.py [--rows 1,2,4,8,16,64] [--layers 30] [--repeats 5] [--threads 2]
 
 For each row count, the time of all projections of ``--layers`` layers of SmolLM2-135M (qkv, o, gate_up, down:
 the weights of 30 layers are 420 MB of fp32, so every call reads its weight from memory as in a decode step):
 
-- ``onednn``: fp32 through oneDNN with a packed weight (the model's path from 5 rows up),
-- ``small``: fp32 through ``small_linear``,
-- ``small8``: int8 weights through ``small_linear`` (int16 inputs, VNNI),
+- ``onednn``: fp32 through oneDNN with its packed weight (the model's path without the C++ kernels),
+- ``panel``: fp32 through ``panel_linear`` on column panels (the model's fp32 path),
+- ``small8``: int8 weights through ``small_linear`` (int16 inputs, VNNI; the model's int8 path),
 - ``torch8``: int8 weights through ``aten._weight_int8pack_mm`` on bf16 inputs (torch's own int8 kernel).
 
-Printed side by side in one run, with the GB/s each reaches on its weight bytes; the best of ``--repeats``
-rounds, the paths alternating inside each round so drift on this shared machine hits them alike.
+Printed side by side in one run, with the GB/s each reaches on its weight bytes and the fp32 paths' GFLOP/s;
+the best of ``--repeats`` rounds, the paths alternating inside each round so drift on this shared machine hits
+them alike.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if __package__ in (None, ""):
 importlib.import_module("tokenmill")  # its OpenMP setting must be in place before torch loads
 import torch  # noqa: E402
 
-from tokenmill.model.cpu_kernels import small_linear_kernel  # noqa: E402
+from tokenmill.model.cpu_kernels import panel_linear_kernels, small_linear_kernel  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
 
@@ -41,12 +42,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = small_linear_kernel()
-    if kernel is None:
-        sys.exit("the C++ small_linear kernel is unavailable here (no compiler, or no AVX-512)")
+    kernel, panels = small_linear_kernel(), panel_linear_kernels()
+    if kernel is None or panels is None:
+        sys.exit("the C++ kernels are unavailable here (no compiler, or no AVX-512)")
+    pack_panels, panel_linear = panels
     gen = torch.Generator().manual_seed(0)
     fp32 = [[torch.randn(n, k, generator=gen) for n, k in SHAPES] for _ in range(args.layers)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in fp32]
+    paneled = [[pack_panels(w) for w in layer] for layer in fp32]
     int8 = [
         [
             (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n))
@@ -69,7 +72,7 @@ def main() -> None:
                 ),
                 4,
             ),
-            "small": (lambda i, j, xs=xs: kernel(xs[SHAPES[j][1]], fp32[i][j], None), 4),
+            "panel": (lambda i, j, xs=xs: panel_linear(xs[SHAPES[j][1]], paneled[i][j], SHAPES[j][0]), 4),
             "small8": (lambda i, j, xs=xs: kernel(xs[SHAPES[j][1]], *int8[i][j]), 1),
             "torch8": (
                 lambda i, j, xb=xb: torch.ops.aten._weight_int8pack_mm(
@@ -88,7 +91,8 @@ def main() -> None:
                             fn(i, j)
                     best[name] = min(best[name], time.perf_counter() - t0)
         cells = [
-            f"{name} {best[name] * 1e3:7.2f} ms ({num_weights * width / best[name] / 1e9:4.1f} GB/s)"
+            f"{name} {best[name] * 1e3:7.2f} ms ({num_weights * width / best[name] / 1e9:4.1f} GB/s"
+            + (f", {2 * m * num_weights / best[name] / 1e9:3.0f} GFLOP/s)" if width == 4 else ")")
             for name, (_, width) in paths.items()
         ]
         print(f"rows {m:4d}: " + "  ".join(cells))

@@ -1,0 +1,221 @@
+// Causal attention for the prompt tokens of a prefill step on CPU (fp32), read in place from the paged cache.
+//
+// The one-query-per-row kernel (attention_decode.h) loads every key and value once per query token. Here a tile
+// of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
+//   scores [R, L] = Q [R, D] @ K^T [D, L]     (R = tokens x the G query heads of the KV head)
+//   out    [R, D] = softmax(scores) @ V [L, D]
+// The keys visible to the tile are transposed once into K^T (32-key panels, as panel_linear.h's weights), so
+// both products are register-blocked outer products: per step two vector loads feed 8 broadcasts and 16 FMAs.
+// Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
+// and a block of rows reads keys only up to its last row's position.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention_decode.h"
+
+namespace {
+
+constexpr int64_t kPrefillTileTokens = 64;  // query tokens per work item
+constexpr int kPrefillRowBlock = 8;         // query rows per register block
+
+#if defined(__AVX512F__)
+// acc[r][0..31] = sum_d a[r * lda + d] * b[d * ldb + 0..31] for r < R (the 32 columns of one panel of b)
+template <int R>
+inline void outer_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+                        int64_t ldc) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < depth; ++d) {
+    const __m512 b0 = _mm512_loadu_ps(b + d * ldb), b1 = _mm512_loadu_ps(b + d * ldb + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + d]);
+      lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(x, b1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, lo[r]);
+    _mm512_storeu_ps(c + r * ldc + 16, hi[r]);
+  }
+}
+
+// out[r][d0..d0+31] = sum_t p[r * ldp + t] * V[t][d0..d0+31] for r < R, t < num_keys; V rows through the block
+// table (one KV head's slice of each cached token).
+template <int R>
+inline void pv_block(const float* p, int64_t ldp, const PagedCache& c, const int64_t* block_table, int64_t kv_head,
+                     int64_t d0, int64_t num_keys, float* out, int64_t ldo) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const int64_t BS = c.block_size, ts = c.token_stride(), bs = c.block_stride();
+  for (int64_t t0 = 0; t0 < num_keys; t0 += BS) {
+    const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * c.head_dim + d0;
+    const int64_t n = std::min(BS, num_keys - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 v0 = _mm512_loadu_ps(vb + i * ts), v1 = _mm512_loadu_ps(vb + i * ts + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(p[r * ldp + t0 + i]);
+        lo[r] = _mm512_fmadd_ps(x, v0, lo[r]);
+        hi[r] = _mm512_fmadd_ps(x, v1, hi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ldo, lo[r]);
+    _mm512_storeu_ps(out + r * ldo + 16, hi[r]);
+  }
+}
+
+template <int R>
+inline void outer_block_n(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+                          int64_t ldc) {
+  if constexpr (R >= 1) {
+    if (rows == R) return outer_block<R>(a, lda, b, ldb, depth, c, ldc);
+    outer_block_n<R - 1>(rows, a, lda, b, ldb, depth, c, ldc);
+  }
+}
+
+template <int R>
+inline void pv_block_n(int rows, const float* p, int64_t ldp, const PagedCache& c, const int64_t* block_table,
+                       int64_t kv_head, int64_t d0, int64_t num_keys, float* out, int64_t ldo) {
+  if constexpr (R >= 1) {
+    if (rows == R) return pv_block<R>(p, ldp, c, block_table, kv_head, d0, num_keys, out, ldo);
+    pv_block_n<R - 1>(rows, p, ldp, c, block_table, kv_head, d0, num_keys, out, ldo);
+  }
+}
+
+struct PrefillScratch {
+  std::vector<float> kt, q, scores, out;
+  int64_t seq = -1, head = -1, ld = 0, num_keys = 0;  // kt holds keys [0, num_keys) of this (seq, head)
+};
+
+// One tile: tokens [j0, j1) of sequence `seq`, whose query tokens start at flat row q_start, the first at
+// position first_pos, total_len = first_pos + its query tokens; KV head h. q/out [T, Hq, D].
+// A thread runs the tiles of one (sequence, KV head) in order, so K^T only grows: each key is transposed once.
+inline void prefill_tile(const float* q, float* out, const PagedCache& c, const int64_t* block_table, int64_t seq,
+                         int64_t q_start, int64_t first_pos, int64_t total_len, int64_t j0, int64_t j1, int64_t h,
+                         int64_t Hq, float scale, PrefillScratch& s) {
+  const int64_t D = c.head_dim, G = Hq / c.num_kv_heads, ts = c.token_stride(), bs = c.block_stride();
+  const int64_t BS = c.block_size;
+  const int64_t num_keys = first_pos + j1;              // keys the tile's last token sees
+  const int64_t R = (j1 - j0) * G;                      // query rows: token-major, then head
+  if (s.seq != seq || s.head != h || s.num_keys > num_keys) {
+    s.seq = seq, s.head = h, s.num_keys = 0;
+    s.ld = (total_len + 31) / 32 * 32;  // keys padded to whole panels
+    s.kt.assign(D * s.ld, 0.f);
+  }
+  const int64_t ld = s.ld;
+  // K^T [D, ld] for this KV head: the keys not transposed yet, a run of one cache block's tokens at a time
+  for (int64_t t0 = s.num_keys; t0 < num_keys;) {
+    const int64_t n = std::min(BS - t0 % BS, num_keys - t0);
+    const float* kb = c.k + block_table[t0 / BS] * bs + (t0 % BS) * ts + h * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float* dst = s.kt.data() + d * ld + t0;
+      for (int64_t i = 0; i < n; ++i) dst[i] = kb[i * ts + d];
+    }
+    t0 += n;
+  }
+  s.num_keys = num_keys;
+  // scaled queries [R, D]
+  s.q.resize(R * D);
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = q + ((q_start + j) * Hq + h * G + g) * D;
+      float* dst = s.q.data() + ((j - j0) * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    }
+  s.scores.resize(R * ld);
+  s.out.resize(R * D);
+  for (int64_t r0 = 0; r0 < R; r0 += kPrefillRowBlock) {
+    const int rows = static_cast<int>(std::min<int64_t>(kPrefillRowBlock, R - r0));
+    const int64_t last_token = j0 + (r0 + rows - 1) / G;
+    const int64_t block_keys = first_pos + last_token + 1;  // keys the block's last row sees
+    float* sc = s.scores.data() + r0 * ld;
+    for (int64_t p = 0; p < block_keys; p += 32)
+      outer_block_n<kPrefillRowBlock>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld);
+    for (int r = 0; r < rows; ++r) {  // softmax over the row's own keys; zero the rest of the block's range
+      float* row = sc + r * ld;
+      const int64_t len = first_pos + j0 + (r0 + r) / G + 1;
+      const float inv = 1.f / exp_sum(row, len, max_of(row, len));
+      for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+      std::fill(row + len, row + block_keys, 0.f);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 32)
+      pv_block_n<kPrefillRowBlock>(rows, sc, ld, c, block_table, h, d0, block_keys, s.out.data() + r0 * D + d0, D);
+  }
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < G; ++g)
+      std::copy_n(s.out.data() + ((j - j0) * G + g) * D, D, out + ((q_start + j) * Hq + h * G + g) * D);
+}
+#endif
+
+}  // namespace
+
+inline bool paged_prefill_supported(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim % 32 == 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+// out/q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [num_tables, max_blocks] int64;
+// seqs [n, 4] int64: (first flat row, number of query tokens, position of the first one, block table row).
+// Writes the rows of those sequences into out; other rows are left as they are.
+inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seqs, double scale) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
+              "fp32 only");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "contiguous only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q/out [T, Hq, D], caches [num_blocks, block_size, Hkv, D]");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), BS = k_cache.size(1);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D && paged_prefill_supported(D), "head shapes");
+  auto bt = block_tables.contiguous();
+  auto sq = seqs.contiguous();
+  TORCH_CHECK(bt.dtype() == torch::kInt64 && bt.dim() == 2 && sq.dtype() == torch::kInt64 && sq.dim() == 2 &&
+                  sq.size(1) == 4,
+              "block_tables [num_tables, max_blocks], seqs [n, 4], int64");
+  const int64_t* tp = bt.data_ptr<int64_t>();
+  const int64_t* sp = sq.data_ptr<int64_t>();
+  const int64_t n = sq.size(0), max_blocks = bt.size(1), num_blocks = k_cache.size(0);
+  for (int64_t i = 0; i < bt.numel(); ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "block id out of range");
+  // Work items: (sequence, KV head, tile of up to kPrefillTileTokens tokens), tiles of a (sequence, head) adjacent
+  // so that a thread running several reuses its K^T.
+  std::vector<int64_t> item_seq, item_head, item_j0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = sp[i * 4], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], table = sp[i * 4 + 3];
+    TORCH_CHECK(start >= 0 && len > 0 && start + len <= T && first_pos >= 0 && table >= 0 && table < bt.size(0) &&
+                    first_pos + len <= max_blocks * BS,
+                "seqs row out of range");
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t j0 = 0; j0 < len; j0 += kPrefillTileTokens) {
+        item_seq.push_back(i);
+        item_head.push_back(h);
+        item_j0.push_back(j0);
+      }
+  }
+  const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS, Hkv, D};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(item_seq.size()), 1, [&](int64_t begin, int64_t end) {
+    PrefillScratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item_seq[item], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], j0 = item_j0[item];
+      prefill_tile(qp, op, cache, tp + sp[i * 4 + 3] * max_blocks, i, sp[i * 4], first_pos, first_pos + len, j0,
+                   std::min(len, j0 + kPrefillTileTokens), item_head[item], Hq, static_cast<float>(scale), scratch);
+    }
+  });
+#else
+  TORCH_CHECK(false, "paged_prefill_ needs an AVX-512 build");
+#endif
+}
