@@ -4,8 +4,9 @@
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
 //   scores [R, L] = Q [R, D] @ K^T [D, L]     (R = tokens x the G query heads of the KV head)
 //   out    [R, D] = softmax(scores) @ V [L, D]
-// The keys visible to the tile are transposed once into K^T (32-key panels, as panel_linear.h's weights), so
-// both products are register-blocked outer products: per step two vector loads feed 8 broadcasts and 16 FMAs.
+// The keys visible to the tile are transposed once into K^T (32-key panels, as panel_linear.h's weights, and
+// through its register block), so both products are register-blocked outer products: per step two vector loads
+// feed 8 broadcasts and 16 FMAs.
 // Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
 // and a block of rows reads keys only up to its last row's position.
 #pragma once
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "attention_decode.h"
+#include "panel_linear.h"
 
 namespace {
 
@@ -25,26 +27,6 @@ constexpr int64_t kPrefillTileTokens = 64;  // query tokens per work item
 constexpr int kPrefillRowBlock = 8;         // query rows per register block
 
 #if defined(__AVX512F__)
-// acc[r][0..31] = sum_d a[r * lda + d] * b[d * ldb + 0..31] for r < R (the 32 columns of one panel of b)
-template <int R>
-inline void outer_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
-                        int64_t ldc) {
-  __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < depth; ++d) {
-    const __m512 b0 = _mm512_loadu_ps(b + d * ldb), b1 = _mm512_loadu_ps(b + d * ldb + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + d]);
-      lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
-      hi[r] = _mm512_fmadd_ps(x, b1, hi[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * ldc, lo[r]);
-    _mm512_storeu_ps(c + r * ldc + 16, hi[r]);
-  }
-}
-
 // out[r][d0..d0+31] = sum_t p[r * ldp + t] * V[t][d0..d0+31] for r < R, t < num_keys; V rows through the block
 // table (one KV head's slice of each cached token).
 template <int R>
@@ -68,15 +50,6 @@ inline void pv_block(const float* p, int64_t ldp, const PagedCache& c, const int
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(out + r * ldo, lo[r]);
     _mm512_storeu_ps(out + r * ldo + 16, hi[r]);
-  }
-}
-
-template <int R>
-inline void outer_block_n(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
-                          int64_t ldc) {
-  if constexpr (R >= 1) {
-    if (rows == R) return outer_block<R>(a, lda, b, ldb, depth, c, ldc);
-    outer_block_n<R - 1>(rows, a, lda, b, ldb, depth, c, ldc);
   }
 }
 
@@ -137,7 +110,7 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
     const int64_t block_keys = first_pos + last_token + 1;  // keys the block's last row sees
     float* sc = s.scores.data() + r0 * ld;
     for (int64_t p = 0; p < block_keys; p += 32)
-      outer_block_n<kPrefillRowBlock>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld);
+      panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld, 32);
     for (int r = 0; r < rows; ++r) {  // softmax over the row's own keys; zero the rest of the block's range
       float* row = sc + r * ld;
       const int64_t len = first_pos + j0 + (r0 + r) / G + 1;

@@ -28,34 +28,39 @@ constexpr int kPanelMaxRows = 8;   // rows per register block (2 x 8 accumulator
 constexpr int64_t kPanelPrefetchBytes = 16384;
 
 #if defined(__AVX512F__)
-// y[0:R, 0:ncols] (row stride ldy) = x[0:R, 0:K] (row stride K) @ panel [K, 32]
-template <int R>
-inline void panel_block(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t ncols) {
+// c[r][0:ncols] = sum_d a[r * lda + d] * b[d * ldb + 0:32] for r < R: one register block of an outer-product
+// matmul (b is a 32-column panel; ncols <= 32 of it are stored). kPrefetch: also prefetch b 16 KB ahead into L2,
+// for panels read from memory (panel_linear); attention_prefill.h uses it on panels already in cache.
+template <int R, bool kPrefetch>
+inline void panel_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+                        int64_t ldc, int64_t ncols) {
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPanelPrefetchBytes, _MM_HINT_T1);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+  for (int64_t d = 0; d < depth; ++d) {
+    if constexpr (kPrefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(b + d * ldb) + kPanelPrefetchBytes, _MM_HINT_T1);
+    const __m512 w0 = _mm512_loadu_ps(b + d * ldb), w1 = _mm512_loadu_ps(b + d * ldb + 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
-      lo[r] = _mm512_fmadd_ps(xb, w0, lo[r]);
-      hi[r] = _mm512_fmadd_ps(xb, w1, hi[r]);
+      const __m512 x = _mm512_set1_ps(a[r * lda + d]);
+      lo[r] = _mm512_fmadd_ps(x, w0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(x, w1, hi[r]);
     }
   }
   const __mmask16 m0 = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
   const __mmask16 m1 = ncols >= 32 ? __mmask16(0xFFFF) : ncols <= 16 ? __mmask16(0) : __mmask16((1u << (ncols - 16)) - 1);
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, lo[r]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, hi[r]);
+    _mm512_mask_storeu_ps(c + r * ldc, m0, lo[r]);
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, hi[r]);
   }
 }
 
-template <int R>
-inline void panel_block_n(int rows, const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
-                          int64_t ncols) {
+// panel_block for a run-time number of rows, 1 <= rows <= R
+template <int R, bool kPrefetch>
+inline void panel_block_n(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+                          int64_t ldc, int64_t ncols) {
   if constexpr (R >= 1) {
-    if (rows == R) return panel_block<R>(x, K, panel, y, ldy, ncols);
-    panel_block_n<R - 1>(rows, x, K, panel, y, ldy, ncols);
+    if (rows == R) return panel_block<R, kPrefetch>(a, lda, b, ldb, depth, c, ldc, ncols);
+    panel_block_n<R - 1, kPrefetch>(rows, a, lda, b, ldb, depth, c, ldc, ncols);
   }
 }
 #endif
@@ -83,7 +88,8 @@ inline void panel_linear_raw(const float* x, int64_t M, int64_t K, const float* 
       int64_t m = 0;
       for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t rows = (M - m) / (num_chunks - c);  // near-equal chunks of at most kPanelMaxRows
-        panel_block_n<kPanelMaxRows>(static_cast<int>(rows), x + m * K, K, panel, y + m * N + p * kPanel, N, ncols);
+        panel_block_n<kPanelMaxRows, true>(static_cast<int>(rows), x + m * K, K, panel, kPanel, K,
+                                           y + m * N + p * kPanel, N, ncols);
         m += rows;
       }
     }
