@@ -193,7 +193,7 @@ def test_decode_stack_matches_the_eager_forward(ops, num_rows: int, int8: bool) 
         attach_cpu_kernels(model)
     else:
         assert pack_for_cpu(model) > 0  # fp32: the stack runs on the panel-packed weights
-    assert model.decode_stack is not None and model.decode_stack_max_rows >= 8
+    assert model.decode_stack is not None
     stacked, stacked_caches = _decode_step(model, num_rows, seed=num_rows)
     model.decode_stack = None
     eager, eager_caches = _decode_step(model, num_rows, seed=num_rows)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,10 +31,9 @@ from tokenmill.model.quant import Int8Linear
 logger = logging.getLogger(__name__)
 _PACK_FOR_ROWS = 64  # the batch size oneDNN picks its blocking for; any row count works
 SMALL_INT8_MAX_ROWS = 1 << 30  # every batch: faster than torch's int8 kernel at 1-2,048 rows
-# The C++ decode stack takes every decode-only step. Against the eager forward on the same matmuls (the
-# embedded model, 200 tokens of context, one step): fp32 30.9 vs 35.7 ms at 12 rows, 37.9 vs 45.2 at 16, 66.1
-# vs 69.6 at 32, 131.7 vs 136.9 at 64; int8 ahead at every batch up to 64 (103.8 vs 113.2 ms).
-DECODE_STACK_MAX_ROWS = 1 << 30
+# The C++ decode stack takes every decode-only step: against the eager forward on the same matmuls (the
+# embedded model, 200 tokens of context, one step) fp32 30.9 vs 35.7 ms at 12 rows, 37.9 vs 45.2 at 16, 66.1 vs
+# 69.6 at 32, 131.7 vs 136.9 at 64; int8 ahead at every batch up to 64 (103.8 vs 113.2 ms).
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,7 +61,9 @@ def pack_for_cpu(model: LlamaForCausalLM) -> int:
     return num_packed
 
 
-def _pack_all(model: LlamaForCausalLM, pack: Any, matmul: PackedMatmul | None) -> int:
+def _pack_all(
+    model: LlamaForCausalLM, pack: Callable[[torch.Tensor], torch.Tensor] | None, matmul: PackedMatmul | None
+) -> int:
     num_packed = 0
     for module in model.modules():
         if isinstance(module, Linear):
@@ -90,7 +92,6 @@ def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
             module.small_kernel, module.small_max_rows = kernel, SMALL_INT8_MAX_ROWS
             num_attached += 1
     model.decode_stack = build_decode_stack(model)
-    model.decode_stack_max_rows = DECODE_STACK_MAX_ROWS if model.decode_stack is not None else 0
     return num_attached
 
 

@@ -210,9 +210,8 @@ class LlamaForCausalLM(nn.Module):
         # the tied head's weight reordered once, and the matmul that takes it (cpu_packing)
         self.packed_head: torch.Tensor | None = None
         self.packed_head_matmul: PackedMatmul | None = None
-        # C++ DecodeStack (cpu_packing): whole decode-only steps of up to decode_stack_max_rows rows
+        # C++ DecodeStack (cpu_packing): every decode-only step when set
         self.decode_stack: Any = None
-        self.decode_stack_max_rows = 0
 
     def forward(
         self,
@@ -232,7 +231,6 @@ class LlamaForCausalLM(nn.Module):
         if (
             self.decode_stack is not None
             and rows is not None
-            and x.shape[0] <= self.decode_stack_max_rows
             and rows.seq_lens.shape[0] == x.shape[0]  # every row decodes one token
         ):
             return self.decode_stack.forward(  # type: ignore[no-any-return]
