@@ -30,7 +30,6 @@ from tokenmill.model.quant import Int8Linear
 
 logger = logging.getLogger(__name__)
 _PACK_FOR_ROWS = 64  # the batch size oneDNN picks its blocking for; any row count works
-SMALL_INT8_MAX_ROWS = 1 << 30  # every batch: faster than torch's int8 kernel at 1-2,048 rows
 # The C++ decode stack takes every decode-only step: against the eager forward on the same matmuls (the
 # embedded model, 200 tokens of context, one step) fp32 30.9 vs 35.7 ms at 12 rows, 37.9 vs 45.2 at 16, 66.1 vs
 # 69.6 at 32, 131.7 vs 136.9 at 64; int8 ahead at every batch up to 64 (103.8 vs 113.2 ms).
@@ -89,7 +88,7 @@ def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
     num_attached = 0
     for module in model.modules():
         if isinstance(module, Int8Linear) and _fp32_cpu(module.scales):
-            module.small_kernel, module.small_max_rows = kernel, SMALL_INT8_MAX_ROWS
+            module.small_kernel = kernel  # every batch: faster than torch's int8 kernel at 1-2,048 rows
             num_attached += 1
     model.decode_stack = build_decode_stack(model)
     return num_attached

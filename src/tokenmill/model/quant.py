@@ -65,9 +65,8 @@ class Int8Linear(nn.Module):
     weight_int8: torch.Tensor
     scales: torch.Tensor
     scales_bf16: torch.Tensor
-    # Set by cpu_packing.attach_cpu_kernels: batches of up to small_max_rows rows go to the C++ kernel, fp32 throughout.
+    # Set by cpu_packing.attach_cpu_kernels: every fp32 batch then goes to the C++ kernel.
     small_kernel: SmallLinearKernel | None = None
-    small_max_rows = 0
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
@@ -94,12 +93,7 @@ class Int8Linear(nn.Module):
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.small_kernel is not None
-            and x.dim() == 2
-            and x.shape[0] <= self.small_max_rows
-            and x.dtype == self.scales.dtype == torch.float32
-        ):
+        if self.small_kernel is not None and x.dim() == 2 and x.dtype == self.scales.dtype == torch.float32:
             return self.small_kernel(x, self.weight_int8, self.scales)
         if x.device.type == "cpu":
             x2d = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE).contiguous()  # [T, in] bf16
