@@ -11,11 +11,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import random_model
+from tiny_models import random_model, tiny_config
 
 from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionMetadata, write_kv
-from tokenmill.model.config import LlamaConfig
 from tokenmill.model.cpu_packing import attach_cpu_kernels, pack_for_cpu
 from tokenmill.model.llama import LlamaForCausalLM, apply_rope
 from tokenmill.model.quant import quantize_model_int8
@@ -144,21 +143,13 @@ def test_rope_write_kv_matches_torch(ops) -> None:
 
 # --- the whole decode stack against the eager forward ------------------------------------------------
 def _tiny_model(seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
+    config = tiny_config(
         vocab_size=100,
         hidden_size=192,
         intermediate_size=256,
-        num_hidden_layers=2,
         num_attention_heads=6,
-        num_key_value_heads=2,
         head_dim=64,  # the register attention kernel
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_ids=(2,),
     )
     return random_model(config, seed)
 

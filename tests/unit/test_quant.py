@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import random_model
+from tiny_models import random_model, tiny_config
 
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.config import LlamaConfig
@@ -18,22 +18,7 @@ from tokenmill.model.quant import Int8Linear, quantize_model_int8, quantize_per_
 
 
 def _tiny_config(tie: bool) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=112,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
+    return tiny_config(tie_word_embeddings=tie)
 
 
 def _all_logits(model: LlamaForCausalLM, config: LlamaConfig, token_ids: list[int]) -> torch.Tensor:
