@@ -1,13 +1,14 @@
 """The C++ matmuls (``model/csrc/panel_linear.h``, ``small_linear.h``) next to the kernels they replace, on CPU.
 
     python benchmarks/bench_linear.py [--rows 1,2,4,8,16,64] [--layers 30] [--repeats 5] [--threads 2]
+                                      [--variants avx512,avx2,base]
 
 For each row count, the time of all projections of ``--layers`` layers of SmolLM2-135M (qkv, o, gate_up, down:
 the weights of 30 layers are 420 MB of fp32, so every call reads its weight from memory as in a decode step):
 
 - ``onednn``: fp32 through oneDNN with its packed weight (the model's path without the C++ kernels),
-- ``panel``: fp32 through ``panel_linear`` on column panels (the model's fp32 path),
-- ``small8``: int8 weights through ``small_linear`` (int16 inputs, VNNI; the model's int8 path),
+- ``panel-<variant>``: fp32 through ``panel_linear`` on column panels (the model's fp32 path), per kernel variant,
+- ``small8-<variant>``: int8 weights through ``small_linear`` (int16 inputs; the model's int8 path), per variant,
 - ``torch8``: int8 weights through ``aten._weight_int8pack_mm`` on bf16 inputs (torch's own int8 kernel).
 
 Printed side by side in one run, with the GB/s each reaches on its weight bytes and the fp32 paths' GFLOP/s;
@@ -29,7 +30,8 @@ if __package__ in (None, ""):
 importlib.import_module("tokenmill")  # its OpenMP setting must be in place before torch loads
 import torch  # noqa: E402
 
-from tokenmill.model.cpu_kernels import panel_linear_kernels, small_linear_kernel  # noqa: E402
+from tokenmill.model import kernel_variants  # noqa: E402
+from tokenmill.model.cpu_kernels import load_variant  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
 
@@ -40,16 +42,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    runnable = kernel_variants.runnable_variants(kernel_variants.read_cpu_info()[1])
+    parser.add_argument("--variants", default=",".join(runnable), help="kernel variants to time, side by side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernel, panels = small_linear_kernel(), panel_linear_kernels()
-    if kernel is None or panels is None:
-        sys.exit("the C++ kernels are unavailable here (no compiler, or no AVX-512)")
-    pack_panels, panel_linear = panels
+    modules = {v: load_variant(v) for v in args.variants.split(",") if v}
+    if not modules:
+        sys.exit("no kernel variant to time")
     gen = torch.Generator().manual_seed(0)
     fp32 = [[torch.randn(n, k, generator=gen) for n, k in SHAPES] for _ in range(args.layers)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in fp32]
-    paneled = [[pack_panels(w) for w in layer] for layer in fp32]
+    paneled = {v: [[mod.pack_panels(w) for w in layer] for layer in fp32] for v, mod in modules.items()}
     int8 = [
         [
             (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n))
@@ -72,8 +75,17 @@ def main() -> None:
                 ),
                 4,
             ),
-            "panel": (lambda i, j, xs=xs: panel_linear(xs[SHAPES[j][1]], paneled[i][j], SHAPES[j][0]), 4),
-            "small8": (lambda i, j, xs=xs: kernel(xs[SHAPES[j][1]], *int8[i][j]), 1),
+            **{
+                f"panel-{v}": (
+                    lambda i, j, xs=xs, mod=mod, v=v: mod.panel_linear(xs[SHAPES[j][1]], paneled[v][i][j], SHAPES[j][0]),
+                    4,
+                )
+                for v, mod in modules.items()
+            },
+            **{
+                f"small8-{v}": (lambda i, j, xs=xs, mod=mod: mod.small_linear(xs[SHAPES[j][1]], *int8[i][j]), 1)
+                for v, mod in modules.items()
+            },
             "torch8": (
                 lambda i, j, xb=xb: torch.ops.aten._weight_int8pack_mm(
                     xb[SHAPES[j][1]], int8[i][j][0], scales_bf16[i][j]
@@ -95,7 +107,7 @@ def main() -> None:
             + (f", {2 * m * num_weights / best[name] / 1e9:3.0f} GFLOP/s)" if width == 4 else ")")
             for name, (_, width) in paths.items()
         ]
-        print(f"rows {m:4d}: " + "  ".join(cells))
+        print(f"rows {m:4d}:\n    " + "\n    ".join(cells))
 
 
 if __name__ == "__main__":

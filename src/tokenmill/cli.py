@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | bench batching | bench serve`: builds configs, nothing else."""
+"""`tokenmill generate | chat | serve | info | bench batching | bench serve`: builds configs, nothing else."""
 
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ def _run_generate(args: argparse.Namespace, chat: bool) -> int:
     return 0
 
 
+def _run_info(args: argparse.Namespace) -> int:
+    from tokenmill import system_info
+
+    print(system_info.render(system_info.collect(), as_json=args.json))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
+
+    info = sub.add_parser("info", help="versions, the CPU, the kernel variant loaded and each fast path")
+    info.add_argument("--json", action="store_true", help="as JSON")
+    info.set_defaults(func=_run_info)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from tokenmill.bench.batching_cli import add_bench_batching_arguments, run_bench_batching

@@ -1,7 +1,6 @@
-"""The C++ CPU kernels (``model/csrc``) against float64 or plain-torch references.
-
-Skipped where the kernels do not build (no compiler) or lack AVX-512: the model then runs the torch path,
-which the rest of the suite covers.
+"""The C++ CPU kernels (``model/csrc``) against float64 or plain-torch references, for every variant this CPU
+executes (the ``kernel_variant`` fixture: avx512, avx2 and base on an AVX-512 machine, avx2 and base on an AVX2
+one). A variant that this CPU runs and that is not built fails here rather than skipping.
 """
 
 from __future__ import annotations
@@ -17,14 +16,12 @@ from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionMetadata, write_kv
 from tokenmill.model.cpu_packing import attach_cpu_kernels, pack_for_cpu
 from tokenmill.model.llama import LlamaForCausalLM, apply_rope
-from tokenmill.model.quant import quantize_model_int8
+from tokenmill.model.quant import Int8Linear, quantize_model_int8
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if cpu_kernels.small_linear_kernel() is None:
-        pytest.skip("the C++ kernels did not build here, or without AVX-512")
-    return cpu_kernels._module()
+@pytest.fixture
+def ops(kernel_variant):
+    return kernel_variant
 
 
 # (rows, out, in): the model's shapes, tails in every dimension, no rows, a 64-row batch, and in beyond one
@@ -72,18 +69,21 @@ def test_panel_linear_matches_float64(ops, num_rows: int, out_features: int, in_
     x = torch.randn(num_rows, in_features, generator=gen)
     w = torch.randn(out_features, in_features, generator=gen)
     panels = ops.pack_panels(w)
-    assert panels.shape == (-(-out_features // 32), in_features, 32)
+    width = ops.panel_width()
+    assert width == {"avx512": 32, "avx2": 16, "base": 16}[ops.isa()]
+    assert panels.shape == (-(-out_features // width), in_features, width)
     out = ops.panel_linear(x, panels, out_features)
     expected = x.double() @ w.double().T
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
 def test_panel_linear_rejects_bad_input(ops) -> None:
-    panels = ops.pack_panels(torch.randn(40, 8))  # two panels
+    width = ops.panel_width()
+    panels = ops.pack_panels(torch.randn(width + 8, 8))  # two panels
     with pytest.raises(RuntimeError, match="N does not match"):
-        ops.panel_linear(torch.randn(2, 8), panels, 70)
+        ops.panel_linear(torch.randn(2, 8), panels, 2 * width + 6)
     with pytest.raises(RuntimeError, match="features"):
-        ops.panel_linear(torch.randn(2, 9), panels, 40)
+        ops.panel_linear(torch.randn(2, 9), panels, width + 8)
     with pytest.raises(RuntimeError, match="panels"):
         ops.panel_linear(torch.randn(2, 8), torch.randn(40, 8), 40)
 
@@ -175,35 +175,59 @@ def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):
         return model.compute_logits(hidden), caches
 
 
+def _torch_reference(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
+    """The same weights as plain fp32 torch modules (int8 layers dequantized), with every C++ kernel off."""
+    monkeypatch.setattr(cpu_kernels, "loaded", lambda: cpu_kernels.LoadedKernels(None, None, "off", "", frozenset()))
+    reference = random_model(model.config, seed=0)
+    ref_modules = dict(reference.named_modules())
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            weight = layer.dequantize() if isinstance(layer, Int8Linear) else getattr(layer, "weight", None)
+            if name == "lm_head":  # int8 copy of a tied head: the reference gets it as its own head
+                reference.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+                reference.lm_head.weight.copy_(weight)
+            elif isinstance(weight, torch.Tensor):
+                ref_modules[name].weight.copy_(weight)
+    assert reference.decode_stack is None
+    return reference
+
+
 @pytest.mark.parametrize("num_rows", [1, 3, 8])
 @pytest.mark.parametrize("int8", [False, True])
-def test_decode_stack_matches_the_eager_forward(ops, num_rows: int, int8: bool) -> None:
+def test_decode_stack_matches_the_pure_torch_forward(
+    kernel_variant, monkeypatch: pytest.MonkeyPatch, num_rows: int, int8: bool
+) -> None:
+    """The C++ decode stack (on its own matmuls) against the eager forward with no C++ kernel at all."""
     model = _tiny_model(seed=num_rows)
     if int8:
         quantize_model_int8(model)
         attach_cpu_kernels(model)
     else:
-        assert pack_for_cpu(model) > 0  # fp32: the stack runs on the panel-packed weights
+        pack_for_cpu(model)
+    if kernel_variant.isa() == "base":  # the portable build runs no matmul, so no stack
+        assert model.decode_stack is None
+        return
     assert model.decode_stack is not None
     stacked, stacked_caches = _decode_step(model, num_rows, seed=num_rows)
-    model.decode_stack = None
-    eager, eager_caches = _decode_step(model, num_rows, seed=num_rows)
-    # int8: both paths round activations to int16 per row, and a last-bit difference upstream can move one
-    # element across a rounding boundary (max|x| / 32767); fp32 differs only in summation order.
-    tol = 1e-3 if int8 else 1e-4
-    torch.testing.assert_close(stacked, eager, rtol=tol, atol=tol)
-    for (k1, v1), (k2, v2) in zip(stacked_caches, eager_caches):  # the same new K/V landed in the same slots
+    reference = _torch_reference(model, monkeypatch)
+    plain, plain_caches = _decode_step(reference, num_rows, seed=num_rows)
+    # int8: the stack rounds activations to int16 per row (max|x| / 65534 per element); fp32 differs only in
+    # summation order.
+    tol = 2e-3 if int8 else 1e-4
+    torch.testing.assert_close(stacked, plain, rtol=tol, atol=tol)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, plain_caches):  # the same new K/V landed in the same slots
         torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
         torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
 
 
-def test_torch_fallback_matches_the_kernels(ops, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The eager forward with every C++ kernel off (what non-AVX-512 CPUs and CUDA run) gives the same logits."""
+def test_torch_fallback_matches_the_kernels(kernel_variant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager forward with every C++ kernel off (CUDA, TOKENMILL_NO_CPP=1) gives the same logits as each
+    variant's path (the decode stack where the variant has one)."""
     model = _tiny_model(seed=5)
     pack_for_cpu(model)
-    assert model.decode_stack is not None and model.model.layers[0].mlp.down_proj.packed_weight.dim() == 3
     with_kernels, _ = _decode_step(model, 4, seed=5)
     monkeypatch.setattr(cpu_kernels, "_module", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_matmul_module", lambda: None)
     plain = _tiny_model(seed=5)
     assert attach_cpu_kernels(plain) == 0 and plain.decode_stack is None
     without, _ = _decode_step(plain, 4, seed=5)

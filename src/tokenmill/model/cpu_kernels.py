@@ -1,9 +1,17 @@
-"""Optional C++ kernels for the CPU path, compiled on first use with torch's JIT extension builder.
+"""The C++ kernels of the CPU path: built at install, once per instruction set, and loaded here.
+
+``setup.py`` compiles ``csrc/cpu_ops.cpp`` into ``tokenmill._C_avx512``, ``_C_avx2`` and ``_C_base``
+(``kernel_variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks the
+best variant this CPU can execute (its flags from /proc/cpuinfo), no better than ``TOKENMILL_CPU_ISA`` (``auto``,
+``avx512``, ``avx2``, ``base``) if that is set, and imports only that one: a variant whose instructions the CPU
+lacks is never loaded (:func:`load_variant` refuses it). ``TOKENMILL_NO_CPP=1`` loads none.
+
+What the getters below hand out, each the same source in every variant:
 
 - ``paged_decode`` attends one query token per row (a decode row, or a token of a short prefill over its causal
   prefix), reading keys and values in place from the paged cache (``csrc/attention_decode.h``): no gather into a
   padded copy, which is where the pure-torch decode path spends its time at batch 64.
-- ``paged_prefill_`` attends the tokens of short prefills in tiles per sequence and KV head, as two small
+- ``paged_prefill_`` attends the tokens of prefills in tiles per sequence and KV head, as two small
   register-blocked matrix products over the paged cache (``csrc/attention_prefill.h``).
 - ``panel_linear`` multiplies by an fp32 weight packed as column panels at every batch size
   (``csrc/panel_linear.h``): the weight read once in storage order for a few decode rows, register-blocked
@@ -12,52 +20,120 @@
   (``csrc/small_linear.h``).
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work
   in one pass each (``csrc/elementwise.h``) instead of chains of 4-10 torch ops.
-- ``DecodeStack`` runs every decoder layer for a step of a few decode rows in one call
-  (``csrc/decode_stack.h``), without the ~2,000 small torch ops per step of the eager forward.
+- ``DecodeStack`` runs every decoder layer for a step of decode rows in one call (``csrc/decode_stack.h``),
+  without the ~2,000 small torch ops per step of the eager forward.
 
-All of them live in one module built from ``csrc/cpu_ops.cpp`` (~40 s, once; cached in
-``~/.cache/torch_extensions``).
-
-If the compiler or ninja is missing, or ``TOKENMILL_NO_CPP=1`` is set, the getters return None and the model
-falls back to torch; the tests compare both against the reference.
+On the portable ``base`` variant the matmuls (and so the decode stack) stay off: its loops, vectorized by the
+compiler only, are slower than oneDNN's fp32 and torch's int8 kernels (``fast_paths`` says so per path).
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from tokenmill.model import kernel_variants as kv
+
 logger = logging.getLogger(__name__)
-_CSRC = Path(__file__).parent / "csrc"
+# The variants whose matmuls beat torch's (on base they lose: see the module docstring).
+_MATMUL_VARIANTS = ("avx512", "avx2")
+
+
+@dataclass(frozen=True)
+class LoadedKernels:
+    """The kernel module in use (None: the torch path everywhere) and why that one."""
+
+    variant: str | None
+    module: ModuleType | None
+    reason: str
+    cpu_model: str
+    cpu_flags: frozenset[str]
+
+
+def load_variant(variant: str, flags: frozenset[str] | None = None) -> ModuleType:
+    """Import ``tokenmill._C_<variant>``. RuntimeError where this CPU lacks an instruction set the variant was
+    compiled with (it would die of SIGILL on the first kernel), or where the module says it is another variant;
+    ImportError where it was not built."""
+    if variant not in kv.VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}; choose one of {', '.join(kv.VARIANTS)}")
+    flags = kv.read_cpu_info()[1] if flags is None else flags
+    missing = kv.missing_flags(variant, flags)
+    if missing or (variant != "base" and not kv.is_x86()):
+        raise RuntimeError(f"the {variant} kernels need CPU flags {missing or ['x86-64']}, which this CPU lacks")
+    module = importlib.import_module(f"tokenmill._C_{variant}")
+    if module.isa() != variant:
+        raise RuntimeError(f"tokenmill._C_{variant} was compiled as {module.isa()!r}: rebuild tokenmill")
+    return module
 
 
 @cache
-def _module() -> ModuleType | None:
+def loaded() -> LoadedKernels:
+    """The kernels for this process, chosen and imported once (see the module docstring)."""
+    cpu_model, flags = kv.read_cpu_info()
     if os.environ.get("TOKENMILL_NO_CPP") == "1":
-        return None
+        return LoadedKernels(None, None, "TOKENMILL_NO_CPP=1", cpu_model, flags)
+    variant = kv.choose_variant(flags, os.environ.get(kv.ENV_CAP))
+    best = kv.runnable_variants(flags)[0]
+    reason = "the best this CPU runs" if variant == best else f"capped by {kv.ENV_CAP} (the CPU runs {best})"
     try:
-        from torch.utils.cpp_extension import load
+        module = load_variant(variant, flags)
+    except ImportError as exc:
+        logger.warning("C++ kernels not built (%s); using the torch path. Reinstall: make setup", exc)
+        return LoadedKernels(None, None, f"tokenmill._C_{variant} is not built: {exc}", cpu_model, flags)
+    if kv.CSRC.is_dir() and module.source_digest() != kv.source_digest():
+        logger.warning("the C++ kernels were built from other sources than %s: rebuild them (make setup)", kv.CSRC)
+        reason += "; STALE: built from other sources than csrc/ (make setup)"
+    return LoadedKernels(variant, module, reason, cpu_model, flags)
 
-        # The name carries a digest of every source, headers included: an edited header means a new build.
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()[:12]
-        return load(
-            name=f"tokenmill_cpu_ops_{digest}",
-            sources=[str(_CSRC / "cpu_ops.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_CSRC)],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back to torch
-        logger.warning("C++ kernels unavailable (%s); using the torch path", exc)
-        return None
+
+def _module() -> ModuleType | None:
+    return loaded().module
+
+
+def _matmul_module() -> ModuleType | None:
+    state = loaded()
+    return state.module if state.variant in _MATMUL_VARIANTS else None
+
+
+def fast_paths() -> dict[str, str]:
+    """Each fast path: "on", or "off: <reason>" (what ``tokenmill info`` prints)."""
+    state = loaded()
+    if state.module is None:
+        return dict.fromkeys(_PATHS, f"off: no kernels ({state.reason})")
+    matmul = "on" if state.variant in _MATMUL_VARIANTS else "off: the portable build's loops lose to torch's"
+    return {
+        "paged_decode": "on",
+        "paged_prefill": f"on (head sizes divisible by {state.module.panel_width()})",
+        "elementwise": "on",
+        "panel_linear": matmul,
+        "small_linear_int8": matmul,
+        "decode_stack": matmul,
+    }
+
+
+_PATHS = ("paged_decode", "paged_prefill", "elementwise", "panel_linear", "small_linear_int8", "decode_stack")
+
+
+def kernel_summary() -> dict[str, Any]:
+    """The machine and the kernels in use, for ``tokenmill info``, the server's start line and the benchmarks."""
+    state = loaded()
+    return {
+        "cpu_model": state.cpu_model,
+        "cpu_isa_flags": sorted(f for f in state.cpu_flags if f in kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}),
+        "kernel_variant": state.variant or "none",
+        "kernel_reason": state.reason,
+        "runnable_variants": kv.runnable_variants(state.cpu_flags),
+        "source_digest": state.module.source_digest() if state.module is not None else None,
+        "fast_paths": fast_paths(),
+    }
 
 
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
@@ -67,7 +143,7 @@ def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
 
 def paged_prefill_kernel(head_dim: int) -> Callable[..., None] | None:
     """``fn(out, q, k_cache, v_cache, block_tables, seqs [n, 4], scale)`` writing the prefill rows of ``out``
-    (``csrc/attention_prefill.h``), or None (no kernels, no AVX-512, or a head size it does not take)."""
+    (``csrc/attention_prefill.h``), or None (no kernels, or a head size not divisible by the panel width)."""
     module = _module()
     if module is None or not module.paged_prefill_supported(head_dim):
         return None
@@ -75,25 +151,21 @@ def paged_prefill_kernel(head_dim: int) -> Callable[..., None] | None:
 
 
 def small_linear_kernel() -> Callable[..., torch.Tensor] | None:
-    """``fn(x [M, K] fp32, weight [N, K] int8, scale [N] fp32) -> [M, N]``, or None.
+    """``fn(x [M, K] fp32, weight [N, K] int8, scale [N] fp32) -> [M, N]``, or None (no kernels, or base)."""
+    module = _matmul_module()
+    return None if module is None else module.small_linear  # type: ignore[no-any-return]
 
-    None also where the build lacks AVX-512: the portable loop it would fall back to is slower than torch's.
+
+def panel_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], int] | None:
+    """``(pack, matmul, panel_width)`` for fp32 linears (``csrc/panel_linear.h``), or None (no kernels, or base).
+
+    ``pack(weight [N, K]) -> panels [ceil(N / W), K, W]`` with ``W = panel_width`` (32 on AVX-512, 16 on AVX2);
+    ``matmul(x [M, K], panels, N) -> [M, N]``.
     """
-    module = _module()
-    if module is None or not module.has_avx512():
+    module = _matmul_module()
+    if module is None:
         return None
-    return module.small_linear  # type: ignore[no-any-return]
-
-
-def panel_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
-    """``(pack, matmul)`` for fp32 linears (``csrc/panel_linear.h``), or None (no kernels, or no AVX-512).
-
-    ``pack(weight [N, K]) -> panels [ceil(N / 32), K, 32]``; ``matmul(x [M, K], panels, N) -> [M, N]``.
-    """
-    module = _module()
-    if module is None or not module.panel_linear_available():
-        return None
-    return module.pack_panels, module.panel_linear
+    return module.pack_panels, module.panel_linear, int(module.panel_width())
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
@@ -105,8 +177,6 @@ def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
 
 
 def decode_stack_class() -> type | None:
-    """The C++ ``DecodeStack`` (``csrc/decode_stack.h``), or None; AVX-512 builds only, like small_linear."""
-    module = _module()
-    if module is None or not module.has_avx512():
-        return None
-    return module.DecodeStack  # type: ignore[no-any-return]
+    """The C++ ``DecodeStack`` (``csrc/decode_stack.h``), or None (no kernels, or base: it runs on the matmuls)."""
+    module = _matmul_module()
+    return None if module is None else module.DecodeStack  # type: ignore[no-any-return]

@@ -1,8 +1,8 @@
 """Weights prepared once for fast fp32 and int8 matmuls on CPU.
 
 - **fp32**: every projection, and a tied LM head, gets a reordered copy of its weight and the matmul that takes
-  it, used at every batch size: column panels for the C++ ``panel_linear`` (``csrc/panel_linear.h``) where it
-  built (AVX-512), else oneDNN's blocked layout (``mkldnn._reorder_linear_weight``). Measured here
+  it, used at every batch size: column panels for the C++ ``panel_linear`` (``csrc/panel_linear.h``) on the
+  AVX-512 and AVX2 kernel variants, else oneDNN's blocked layout (``mkldnn._reorder_linear_weight``). Measured on AVX-512
   (``benchmarks/bench_linear.py``, 2 threads, the 120 projections of SmolLM2-135M cycled from memory):
   panels 13.0 / 14.4 / 22.4 / 52.4 / 67.9 ms at 1 / 8 / 16 / 48 / 64 rows against oneDNN's 21.5 / 21.7 /
   25.6 / 63.6 / 76.6 ms, within 3% of it either way at 512-2,048 rows; oneDNN in turn beats ``F.linear``
@@ -47,7 +47,7 @@ def pack_for_cpu(model: LlamaForCausalLM) -> int:
     Returns how many weights were reordered (0 when neither kernel is available: the plain ``F.linear`` path).
     """
     kernels = panel_linear_kernels()
-    pack, matmul = kernels if kernels is not None else (_onednn_pack, _onednn_matmul)
+    pack, matmul = kernels[:2] if kernels is not None else (_onednn_pack, _onednn_matmul)
     if kernels is None and not torch.backends.mkldnn.is_available():
         return 0
     try:
@@ -96,11 +96,12 @@ def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
 
 def build_decode_stack(model: LlamaForCausalLM) -> Any:
     """A C++ DecodeStack over ``model``'s weights (shared, not copied), or None if a layer does not fit it
-    (not on CPU, an fp32 :class:`Linear` not packed as panels of whole 32-column groups, or a projection that
+    (not on CPU, an fp32 :class:`Linear` not packed as whole panels of the kernels' width, or a projection that
     is neither that nor an :class:`Int8Linear`)."""
-    stack_class = decode_stack_class()
-    if stack_class is None:
+    stack_class, kernels = decode_stack_class(), panel_linear_kernels()
+    if stack_class is None or kernels is None:
         return None
+    width = kernels[2]
     empty = torch.empty(0)
     tensors: list[torch.Tensor] = []
     for layer in model.model.layers:
@@ -114,7 +115,7 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
         ):
-            if isinstance(proj, Linear) and _is_panels(proj.packed_weight) and proj.out_features % 32 == 0:
+            if isinstance(proj, Linear) and _is_panels(proj.packed_weight, width) and proj.out_features % width == 0:
                 tensors += (proj.packed_weight, empty)
             elif isinstance(proj, Int8Linear) and _fp32_cpu(proj.scales) and proj.weight_int8.is_contiguous():
                 tensors += (proj.weight_int8, proj.scales)
@@ -139,8 +140,8 @@ def _fp32_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
-def _is_panels(t: torch.Tensor | None) -> bool:
-    return t is not None and t.dim() == 3 and t.shape[2] == 32 and _fp32_cpu(t)
+def _is_panels(t: torch.Tensor | None, width: int) -> bool:
+    return t is not None and t.dim() == 3 and t.shape[2] == width and _fp32_cpu(t)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:

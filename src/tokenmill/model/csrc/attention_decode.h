@@ -10,30 +10,20 @@
 #include <limits>
 #include <vector>
 
-#include "simd_math.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
 inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
+  using namespace simd;
+  Vec acc = zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + kLanes <= n; i += kLanes) acc = fmadd(load(a + i), load(b + i), acc);
   if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    const int m = static_cast<int>(n - i);
+    acc = fmadd(load_n(a + i, m), load_n(b + i, m), acc);
   }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-#endif
+  return reduce_add(acc);
 }
 
 // out[i] += w * v[i]
@@ -54,38 +44,33 @@ struct PagedCache {
 // scores[0, n) = exp(scores - max_score); returns their sum. The tail goes through the vector exp too (masked):
 // a scalar std::exp per leftover element cost ~20 ns each, per row and head.
 inline float exp_sum(float* scores, int64_t n, float max_score) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 m = _mm512_set1_ps(max_score);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + t), m));
-    _mm512_mask_storeu_ps(scores + t, k, e);
-    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  using namespace simd;
+  Vec acc = zero();
+  const Vec m = set1(max_score);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const Vec e = simd::exp(sub(load(scores + t), m));
+    store(scores + t, e);
+    acc = add(acc, e);
   }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    scores[t] = std::exp(scores[t] - max_score);
-    sum += scores[t];
+  if (t < n) {
+    const int k = static_cast<int>(n - t);
+    const Vec e = keep_first(simd::exp(sub(load_n(scores + t, k), m)), k);
+    store_n(scores + t, e, k);
+    acc = add(acc, e);
   }
-  return sum;
-#endif
+  return reduce_add(acc);
 }
 
 // max of scores[0, n), n >= 1
 inline float max_of(const float* scores, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, scores + t));
-  }
-  return _mm512_reduce_max_ps(m);
-#else
-  return *std::max_element(scores, scores + n);
-#endif
+  using namespace simd;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  Vec m = set1(neg_inf);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) m = max(m, load(scores + t));
+  if (t < n) m = max(m, load_n(scores + t, static_cast<int>(n - t), neg_inf));
+  return reduce_max(m);
 }
 
 // Blocks sit anywhere in the pool, so no hardware prefetcher can guess the next one. Each thread walks its own
@@ -106,7 +91,6 @@ struct Prefetcher {
   int64_t item, end, block = 0;
 
   void step() {
-#if defined(__AVX512F__)
     const int64_t BS = c.block_size, D = c.head_dim, ts = c.token_stride();
     while (item < end) {
       const int64_t b = item / items_per_row, h = (item % items_per_row) / chunks_per_kv;
@@ -116,9 +100,9 @@ struct Prefetcher {
         const int64_t off = block_tables[table * max_blocks + block] * c.block_stride() + h * D;
         const int64_t n = std::min(BS, len - block * BS);
         for (int64_t i = 0; i < n; ++i)
-          for (int64_t d = 0; d < D; d += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(c.k + off + i * ts + d), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(c.v + off + i * ts + d), _MM_HINT_T1);
+          for (int64_t d = 0; d < D; d += 16) {  // a 64-byte cache line each
+            simd::prefetch_l2(c.k + off + i * ts + d);
+            simd::prefetch_l2(c.v + off + i * ts + d);
           }
         ++block;
         return;
@@ -126,55 +110,44 @@ struct Prefetcher {
       ++item;
       block = 0;
     }
-#endif
   }
 };
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled together (larger groups are split)
 
-#if defined(__AVX512F__)
-// [sum(a), sum(b), sum(c), sum(d)] of four 16-lane vectors, with shared shuffles.
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a02 b02 a13 b13 / lane
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-// attend_group for head_dim = 16 * NV and GC query heads, everything in registers: QK four tokens at a time
-// (one batched reduction per head), the softmax with a vector exp, PV accumulated in GC * NV registers.
+// attend_group for head_dim = kLanes * NV and GC query heads, the queries and outputs held in vectors (in registers
+// where they fit: AVX-512's 32 hold them for GC * NV <= 16): QK four tokens at a time (one batched reduction per
+// head), the softmax with a vector exp, PV accumulated in GC * NV vectors.
 template <int NV, int GC>
 inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_t* block_table, int64_t seq_len,
                                int64_t kv_head, float scale, float* out, float* scores, Prefetcher& pf) {
-  constexpr int64_t D = 16 * NV;
+  using namespace simd;
+  constexpr int64_t D = kLanes * NV;
   const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
-  __m512 qv[GC][NV];
+  Vec qv[GC][NV];
   for (int g = 0; g < GC; ++g)
-    for (int v = 0; v < NV; ++v) qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), _mm512_set1_ps(scale));
+    for (int v = 0; v < NV; ++v) qv[g][v] = mul(load(q + g * D + kLanes * v), set1(scale));
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
     const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
     pf.step();
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-      __m512 acc[GC][4];
+      Vec acc[GC][4];
       for (int g = 0; g < GC; ++g)
-        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+        for (int j = 0; j < 4; ++j) acc[g][j] = zero();
       for (int v = 0; v < NV; ++v)
         for (int j = 0; j < 4; ++j) {
-          const __m512 kv = _mm512_loadu_ps(kb + (i + j) * ts + 16 * v);
-          for (int g = 0; g < GC; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g][v], kv, acc[g][j]);
+          const Vec kv = load(kb + (i + j) * ts + kLanes * v);
+          for (int g = 0; g < GC; ++g) acc[g][j] = fmadd(qv[g][v], kv, acc[g][j]);
         }
-      for (int g = 0; g < GC; ++g)
-        _mm_storeu_ps(scores + g * seq_len + t0 + i, reduce4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+      for (int g = 0; g < GC; ++g) reduce_add4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scores + g * seq_len + t0 + i);
     }
     for (; i < n; ++i)
       for (int g = 0; g < GC; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int v = 0; v < NV; ++v) acc = _mm512_fmadd_ps(qv[g][v], _mm512_loadu_ps(kb + i * ts + 16 * v), acc);
-        scores[g * seq_len + t0 + i] = _mm512_reduce_add_ps(acc);
+        Vec acc = zero();
+        for (int v = 0; v < NV; ++v) acc = fmadd(qv[g][v], load(kb + i * ts + kLanes * v), acc);
+        scores[g * seq_len + t0 + i] = reduce_add(acc);
       }
   }
   float inv[GC];
@@ -183,25 +156,40 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
     const float max_score = max_of(sg, seq_len);
     inv[g] = 1.f / exp_sum(sg, seq_len, max_score);
   }
-  __m512 o[GC][NV];
+  Vec o[GC][NV];
   for (int g = 0; g < GC; ++g)
-    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) o[g][v] = zero();
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
     const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
     for (int64_t i = 0; i < n; ++i) {
-      __m512 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + i * ts + 16 * v);
+      Vec vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load(vb + i * ts + kLanes * v);
       for (int g = 0; g < GC; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * seq_len + t0 + i]);
-        for (int v = 0; v < NV; ++v) o[g][v] = _mm512_fmadd_ps(p, vv[v], o[g][v]);
+        const Vec p = set1(scores[g * seq_len + t0 + i]);
+        for (int v = 0; v < NV; ++v) o[g][v] = fmadd(p, vv[v], o[g][v]);
       }
     }
   }
   for (int g = 0; g < GC; ++g)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(o[g][v], _mm512_set1_ps(inv[g])));
+    for (int v = 0; v < NV; ++v) store(out + g * D + kLanes * v, mul(o[g][v], set1(inv[g])));
 }
-#endif
+
+// attend_group_fixed for up to GC query heads at a time (a run-time count 1 <= g <= GC)
+template <int NV, int GC>
+inline void attend_group_chunk(int g, const float* q, const PagedCache& c, const int64_t* block_table,
+                               int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores,
+                               Prefetcher& pf) {
+  if constexpr (GC >= 1) {
+    if (g == GC) return attend_group_fixed<NV, GC>(q, c, block_table, seq_len, kv_head, scale, out, scores, pf);
+    attend_group_chunk<NV, GC - 1>(g, q, c, block_table, seq_len, kv_head, scale, out, scores, pf);
+  }
+}
+
+// Query heads per register kernel call, by head size: as many as the vector registers hold (AVX-512), one on
+// AVX2, whose 16 registers hold one head's query at D = 64 (more heads a call spilled them).
+constexpr int kGroupChunk64 = simd::kNumRegs >= 32 ? 4 : 1;
+constexpr int kGroupChunk128 = simd::kNumRegs >= 32 ? 2 : 1;
 
 // The G (<= kMaxGroup) query heads that share KV head `kv_head`, for one decode row: q [G, D] over the row's first
 // `seq_len` cached tokens -> out [G, D]. `scores` is scratch of at least G * seq_len floats. Each K and V row is
@@ -209,30 +197,20 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
 inline void attend_group(const float* q, int64_t G, const PagedCache& c, const int64_t* block_table,
                          int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores, Prefetcher& pf) {
   const int64_t D = c.head_dim;
-#if defined(__AVX512F__)
-  // Register-resident kernels for the common head sizes, in chunks of query heads that fit the 32 registers.
-  if (D == 64 || D == 128) {
-    const int64_t gc = D == 64 ? 4 : 2;
+  // Register kernels for the common head sizes, in chunks of query heads (not on base: its vectors are arrays)
+  if (simd::kNumRegs >= 16 && (D == 64 || D == 128)) {
+    const int64_t gc = D == 64 ? kGroupChunk64 : kGroupChunk128;
     for (int64_t g0 = 0; g0 < G; g0 += gc) {
-      const int64_t g = std::min(gc, G - g0);
-      const float* qg = q + g0 * D;
-      float* og = out + g0 * D;
-      if (D == 64) {
-        switch (g) {
-          case 4: attend_group_fixed<4, 4>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
-          case 3: attend_group_fixed<4, 3>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
-          case 2: attend_group_fixed<4, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
-          default: attend_group_fixed<4, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf); break;
-        }
-      } else if (g == 2) {
-        attend_group_fixed<8, 2>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf);
-      } else {
-        attend_group_fixed<8, 1>(qg, c, block_table, seq_len, kv_head, scale, og, scores, pf);
-      }
+      const int g = static_cast<int>(std::min(gc, G - g0));
+      if (D == 64)
+        attend_group_chunk<64 / simd::kLanes, kGroupChunk64>(g, q + g0 * D, c, block_table, seq_len, kv_head, scale,
+                                                             out + g0 * D, scores, pf);
+      else
+        attend_group_chunk<128 / simd::kLanes, kGroupChunk128>(g, q + g0 * D, c, block_table, seq_len, kv_head,
+                                                               scale, out + g0 * D, scores, pf);
     }
     return;
   }
-#endif
   const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
 
   float max_score[kMaxGroup];

@@ -4,9 +4,9 @@
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
 //   scores [R, L] = Q [R, D] @ K^T [D, L]     (R = tokens x the G query heads of the KV head)
 //   out    [R, D] = softmax(scores) @ V [L, D]
-// The keys visible to the tile are transposed once into K^T (32-key panels, as panel_linear.h's weights, and
-// through its register block), so both products are register-blocked outer products: per step two vector loads
-// feed 8 broadcasts and 16 FMAs.
+// The keys visible to the tile are transposed once into K^T (panels of kPanel keys, as panel_linear.h's weights,
+// and through its register block), so both products are register-blocked outer products: per step two vector
+// loads feed kPanelMaxRows broadcasts and twice as many FMAs (8 and 16 on AVX-512, 6 and 12 on AVX2).
 // Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
 // and a block of rows reads keys only up to its last row's position.
 #pragma once
@@ -24,32 +24,32 @@
 namespace {
 
 constexpr int64_t kPrefillTileTokens = 64;  // query tokens per work item
-constexpr int kPrefillRowBlock = 8;         // query rows per register block
+constexpr int kPrefillRowBlock = kPanelMaxRows;  // query rows per register block
 
-#if defined(__AVX512F__)
-// out[r][d0..d0+31] = sum_t p[r * ldp + t] * V[t][d0..d0+31] for r < R, t < num_keys; V rows through the block
+// out[r][d0..d0+kPanel-1] = sum_t p[r * ldp + t] * V[t][d0..d0+31] for r < R, t < num_keys; V rows through the block
 // table (one KV head's slice of each cached token).
 template <int R>
 inline void pv_block(const float* p, int64_t ldp, const PagedCache& c, const int64_t* block_table, int64_t kv_head,
                      int64_t d0, int64_t num_keys, float* out, int64_t ldo) {
-  __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  using namespace simd;
+  Vec lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero();
   const int64_t BS = c.block_size, ts = c.token_stride(), bs = c.block_stride();
   for (int64_t t0 = 0; t0 < num_keys; t0 += BS) {
     const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * c.head_dim + d0;
     const int64_t n = std::min(BS, num_keys - t0);
     for (int64_t i = 0; i < n; ++i) {
-      const __m512 v0 = _mm512_loadu_ps(vb + i * ts), v1 = _mm512_loadu_ps(vb + i * ts + 16);
+      const Vec v0 = load(vb + i * ts), v1 = load(vb + i * ts + kLanes);
       for (int r = 0; r < R; ++r) {
-        const __m512 x = _mm512_set1_ps(p[r * ldp + t0 + i]);
-        lo[r] = _mm512_fmadd_ps(x, v0, lo[r]);
-        hi[r] = _mm512_fmadd_ps(x, v1, hi[r]);
+        const Vec x = set1(p[r * ldp + t0 + i]);
+        lo[r] = fmadd(x, v0, lo[r]);
+        hi[r] = fmadd(x, v1, hi[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * ldo, lo[r]);
-    _mm512_storeu_ps(out + r * ldo + 16, hi[r]);
+    store(out + r * ldo, lo[r]);
+    store(out + r * ldo + kLanes, hi[r]);
   }
 }
 
@@ -79,7 +79,7 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
   const int64_t R = (j1 - j0) * G;                      // query rows: token-major, then head
   if (s.seq != seq || s.head != h || s.num_keys > num_keys) {
     s.seq = seq, s.head = h, s.num_keys = 0;
-    s.ld = (total_len + 31) / 32 * 32;  // keys padded to whole panels
+    s.ld = (total_len + kPanel - 1) / kPanel * kPanel;  // keys padded to whole panels
     s.kt.assign(D * s.ld, 0.f);
   }
   const int64_t ld = s.ld;
@@ -109,8 +109,9 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
     const int64_t last_token = j0 + (r0 + rows - 1) / G;
     const int64_t block_keys = first_pos + last_token + 1;  // keys the block's last row sees
     float* sc = s.scores.data() + r0 * ld;
-    for (int64_t p = 0; p < block_keys; p += 32)
-      panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld, 32);
+    for (int64_t p = 0; p < block_keys; p += kPanel)
+      panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld,
+                                             kPanel);
     for (int r = 0; r < rows; ++r) {  // softmax over the row's own keys; zero the rest of the block's range
       float* row = sc + r * ld;
       const int64_t len = first_pos + j0 + (r0 + r) / G + 1;
@@ -118,32 +119,23 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
       for (int64_t t = 0; t < len; ++t) row[t] *= inv;
       std::fill(row + len, row + block_keys, 0.f);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 32)
+    for (int64_t d0 = 0; d0 < D; d0 += kPanel)
       pv_block_n<kPrefillRowBlock>(rows, sc, ld, c, block_table, h, d0, block_keys, s.out.data() + r0 * D + d0, D);
   }
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t g = 0; g < G; ++g)
       std::copy_n(s.out.data() + ((j - j0) * G + g) * D, D, out + ((q_start + j) * Hq + h * G + g) * D);
 }
-#endif
 
 }  // namespace
 
-inline bool paged_prefill_supported(int64_t head_dim) {
-#if defined(__AVX512F__)
-  return head_dim % 32 == 0;
-#else
-  (void)head_dim;
-  return false;
-#endif
-}
+inline bool paged_prefill_supported(int64_t head_dim) { return head_dim > 0 && head_dim % kPanel == 0; }
 
 // out/q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [num_tables, max_blocks] int64;
 // seqs [n, 4] int64: (first flat row, number of query tokens, position of the first one, block table row).
 // Writes the rows of those sequences into out; other rows are left as they are.
 inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seqs, double scale) {
-#if defined(__AVX512F__)
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
                   v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
               "fp32 only");
@@ -188,7 +180,4 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
                    std::min(len, j0 + kPrefillTileTokens), item_head[item], Hq, static_cast<float>(scale), scratch);
     }
   });
-#else
-  TORCH_CHECK(false, "paged_prefill_ needs an AVX-512 build");
-#endif
 }

@@ -1,4 +1,6 @@
-// tokenmill's CPU kernels, one extension module (built on first use by tokenmill.model.cpu_kernels).
+// tokenmill's CPU kernels, one extension module per instruction-set variant: setup.py compiles this file as
+// tokenmill._C_avx512, _C_avx2 and _C_base with each variant's flags (simd.h says what each covers), and
+// tokenmill.model.cpu_kernels loads the best one the CPU runs.
 #include <torch/extension.h>
 
 #include "attention_decode.h"
@@ -8,6 +10,10 @@
 #include "panel_linear.h"
 #include "small_linear.h"
 
+#ifndef TOKENMILL_SOURCE_DIGEST
+#define TOKENMILL_SOURCE_DIGEST "unknown"
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged attention of one query per row (CPU, fp32)", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
@@ -15,15 +21,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_", &paged_prefill_, "causal attention of prefill tokens in tiles, into out (CPU, fp32)");
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill_ takes this head size");
   m.def("small_linear", &small_linear, "x [M, K] @ W [N, K]^T * scale (CPU; W int8, scale [N] fp32)");
-  m.def("pack_panels", &pack_panels, "fp32 weight [N, K] -> column panels [ceil(N/32), K, 32] for panel_linear");
-  m.def("panel_linear", &panel_linear, "x [M, K] @ W^T with W as panels [P, K, 32]; N output features (CPU)");
-  m.def("panel_linear_available", &panel_linear_available, "whether panel_linear was compiled (AVX-512)");
+  m.def("pack_panels", &pack_panels, "fp32 weight [N, K] -> column panels [ceil(N/W), K, W] for panel_linear");
+  m.def("panel_linear", &panel_linear, "x [M, K] @ W^T with W as panels [P, K, W]; N output features (CPU)");
+  m.def("panel_width", &panel_width, "output columns per panel of pack_panels (two vectors)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of residual");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up [T, I]");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, K/V into the paged cache; returns q");
-  m.def("has_avx512", &has_avx512, "whether the AVX-512 kernels were compiled (else portable loops)");
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
+  m.def("isa", [] { return std::string(simd::kIsa); }, "the instruction-set variant compiled: avx512, avx2, base");
+  m.def("source_digest", [] { return std::string(TOKENMILL_SOURCE_DIGEST); }, "sha256 prefix of csrc/ at build");
+  // module_local: each variant module registers its own DecodeStack type
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
                           double>())
       .def("num_layers", &DecodeStack::num_layers)

@@ -20,7 +20,7 @@
 namespace {
 
 struct LinearWeight {
-  torch::Tensor weight;  // fp32 panels [N / 32, K, 32] (panel_linear.h), or int8 [N, K]
+  torch::Tensor weight;  // fp32 panels [N / kPanel, K, kPanel] (panel_linear.h), or int8 [N, K]
   torch::Tensor scale;   // [N] fp32 for int8, undefined for fp32
   bool panels() const { return weight.dim() == 3; }
   int64_t out_features() const { return panels() ? weight.size(0) * kPanel : weight.size(0); }
@@ -61,7 +61,7 @@ class DecodeStack {
                    !l.scale.defined()) ||
                       (l.weight.scalar_type() == torch::kInt8 && l.weight.dim() == 2 && l.scale.defined() &&
                        l.scale.scalar_type() == torch::kFloat32 && l.scale.numel() == l.weight.size(0)),
-                  "weights are fp32 panels [N / 32, K, 32], or int8 [N, K] with fp32 scales [N]");
+                  "weights are fp32 panels [N / kPanel, K, kPanel], or int8 [N, K] with fp32 scales [N]");
       return l;
     };
     for (size_t i = 0; i < tensors.size(); i += 10) {

@@ -1,13 +1,15 @@
 // fp32 linear layers on CPU at every batch size: y [M, N] = x [M, K] @ W [N, K]^T, W stored as column panels.
 //
-// Packing: W [N, K] -> panels [P, K, 32], P = ceil(N / 32), panel p holding output columns 32p .. 32p+31 for each
-// k in turn (zero-padded past N). One kernel then serves decode and prefill:
+// Packing: W [N, K] -> panels [P, K, kPanel], P = ceil(N / kPanel), kPanel = 2 vectors (32 columns on AVX-512,
+// 16 on AVX2 and base), panel p holding output columns kPanel*p .. kPanel*p+kPanel-1 for each k in turn
+// (zero-padded past N). One kernel then serves decode and prefill:
 // - each thread owns a contiguous run of panels and reads it once from memory, in storage order, with a
 //   software prefetch 16 KB ahead into L2 (what a decode step of a few rows is bound by);
-// - within a panel, the rows go in near-equal chunks of at most 8: per k two vector loads of the panel and one
-//   broadcast per row feed 2 x rows FMAs into 16 register accumulators (an outer product, no horizontal sums),
-//   and the panel (K x 128 bytes, L2-resident) is reused by every chunk.
-// Measured against oneDNN with its own packed weights (benchmarks/bench_linear.py, 2 threads, the 120
+// - within a panel, the rows go in near-equal chunks of at most kPanelMaxRows (8 on AVX-512, 6 on AVX2: 2 x rows
+//   accumulators, two weight vectors and a broadcast within the 32 or 16 vector registers): per k two vector
+//   loads of the panel and one broadcast per row feed 2 x rows FMAs (an outer product, no horizontal sums), and
+//   the panel (K x kPanel floats, L2-resident) is reused by every chunk.
+// Measured on AVX-512 against oneDNN with its own packed weights (benchmarks/bench_linear.py, 2 threads, the 120
 // projections of SmolLM2-135M cycled from memory): 13.0 vs 21.5 ms at 1 row, 14.4 vs 21.7 at 8, 22.4 vs 25.6
 // at 16, 52.4 vs 63.6 at 48, 67.9 vs 76.6 at 64, and within 3% either way at 512-2,048 rows.
 #pragma once
@@ -17,40 +19,37 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kPanel = 32;     // output columns per panel (two 16-lane vectors)
-constexpr int kPanelMaxRows = 8;   // rows per register block (2 x 8 accumulators)
+constexpr int64_t kPanel = 2 * simd::kLanes;                           // output columns per panel
+constexpr int kPanelMaxRows = std::min(8, (simd::kNumRegs - 3) / 2);   // rows per register block
 constexpr int64_t kPanelPrefetchBytes = 16384;
 
-#if defined(__AVX512F__)
-// c[r][0:ncols] = sum_d a[r * lda + d] * b[d * ldb + 0:32] for r < R: one register block of an outer-product
-// matmul (b is a 32-column panel; ncols <= 32 of it are stored). kPrefetch: also prefetch b 16 KB ahead into L2,
-// for panels read from memory (panel_linear); attention_prefill.h uses it on panels already in cache.
+// c[r][0:ncols] = sum_d a[r * lda + d] * b[d * ldb + 0:kPanel] for r < R: one register block of an
+// outer-product matmul (b is a panel; ncols <= kPanel of it are stored). kPrefetch: also prefetch b 16 KB ahead
+// into L2, for panels read from memory (panel_linear); attention_prefill.h uses it on panels already in cache.
 template <int R, bool kPrefetch>
 inline void panel_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
                         int64_t ldc, int64_t ncols) {
-  __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  using namespace simd;
+  Vec lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero();
   for (int64_t d = 0; d < depth; ++d) {
-    if constexpr (kPrefetch)
-      _mm_prefetch(reinterpret_cast<const char*>(b + d * ldb) + kPanelPrefetchBytes, _MM_HINT_T1);
-    const __m512 w0 = _mm512_loadu_ps(b + d * ldb), w1 = _mm512_loadu_ps(b + d * ldb + 16);
+    if constexpr (kPrefetch) prefetch_l2(reinterpret_cast<const char*>(b + d * ldb) + kPanelPrefetchBytes);
+    const Vec w0 = load(b + d * ldb), w1 = load(b + d * ldb + kLanes);
     for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + d]);
-      lo[r] = _mm512_fmadd_ps(x, w0, lo[r]);
-      hi[r] = _mm512_fmadd_ps(x, w1, hi[r]);
+      const Vec x = set1(a[r * lda + d]);
+      lo[r] = fmadd(x, w0, lo[r]);
+      hi[r] = fmadd(x, w1, hi[r]);
     }
   }
-  const __mmask16 m0 = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? __mmask16(0xFFFF) : ncols <= 16 ? __mmask16(0) : __mmask16((1u << (ncols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(c + r * ldc, m0, lo[r]);
-    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, hi[r]);
+  if (ncols == kPanel) {
+    for (int r = 0; r < R; ++r) store(c + r * ldc, lo[r]), store(c + r * ldc + kLanes, hi[r]);
+  } else {
+    const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
+    for (int r = 0; r < R; ++r) store_n(c + r * ldc, lo[r], n0), store_n(c + r * ldc + kLanes, hi[r], n1);
   }
 }
 
@@ -63,21 +62,11 @@ inline void panel_block_n(int rows, const float* a, int64_t lda, const float* b,
     panel_block_n<R - 1, kPrefetch>(rows, a, lda, b, ldb, depth, c, ldc, ncols);
   }
 }
-#endif
 
 }  // namespace
 
-inline bool panel_linear_available() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// y [M, N] = x [M, K] @ W^T from panels [P, K, 32]; x, y contiguous.
+// y [M, N] = x [M, K] @ W^T from panels [P, K, kPanel]; x, y contiguous.
 inline void panel_linear_raw(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, float* y) {
-#if defined(__AVX512F__)
   if (M == 0 || N == 0) return;
   const int64_t P = (N + kPanel - 1) / kPanel;
   const int64_t num_chunks = (M + kPanelMaxRows - 1) / kPanelMaxRows;
@@ -94,12 +83,9 @@ inline void panel_linear_raw(const float* x, int64_t M, int64_t K, const float* 
       }
     }
   });
-#else
-  TORCH_CHECK(false, "panel_linear needs an AVX-512 build");
-#endif
 }
 
-// weight [N, K] fp32 -> panels [ceil(N / 32), K, 32] fp32
+// weight [N, K] fp32 -> panels [ceil(N / kPanel), K, kPanel] fp32
 inline torch::Tensor pack_panels(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && !weight.is_cuda(),
               "weight: fp32 CPU [N, K]");
@@ -116,12 +102,14 @@ inline torch::Tensor pack_panels(torch::Tensor weight) {
   return out;
 }
 
-// x [M, K] fp32; panels [P, K, 32] from pack_panels; N output features (P = ceil(N / 32)) -> y [M, N]
+// x [M, K] fp32; panels [P, K, kPanel] from pack_panels; N output features (P = ceil(N / kPanel)) -> y [M, N]
+inline int64_t panel_width() { return kPanel; }
+
 inline torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && !x.is_cuda(), "x: fp32 CPU [M, K]");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.size(2) == kPanel &&
                   panels.is_contiguous(),
-              "panels: contiguous fp32 [P, K, 32] from pack_panels");
+              "panels: contiguous fp32 [P, K, ", kPanel, "] from pack_panels");
   TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " features, the weight ", panels.size(1));
   TORCH_CHECK(N > 0 && (N + kPanel - 1) / kPanel == panels.size(0), "N does not match the panels");
   x = x.contiguous();

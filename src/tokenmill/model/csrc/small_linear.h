@@ -9,9 +9,11 @@
 // ~13-16 GB/s. Instead the input rows are rounded once per call to int16 fixed point (one scale per row,
 // max|x| / 32767: an absolute error of at most 1.5e-5 of the row's largest magnitude; on the small elements of a
 // row with outliers that can exceed bf16's relative rounding, and int8_quality.py puts the whole path at +0.0058
-// nats/token against torch's bf16-input kernel's +0.0033), and VNNI's vpdpwssd multiplies 32 int16 pairs per
-// instruction into int32 lanes; the weights are sign-extended to int16 as they load. Exact integer sums, one float
-// conversion at the end (or every 4,096 inputs, so no lane can overflow: 256 steps x 2 x 32767 x 127 < 2^31).
+// nats/token against torch's bf16-input kernel's +0.0033), and the weights are sign-extended to int16 as they
+// load. The products then go through simd.h's dot_i16: VNNI's vpdpwssd on AVX-512 (32 int16 pairs per
+// instruction into int32 lanes), vpmaddwd + vpaddd on AVX2 (16 pairs), a plain loop on base. Exact integer sums,
+// one float conversion at the end (or every 4,096 inputs, so no lane can overflow: a lane takes 2 products per
+// step and at most 512 per flush on AVX2 and base, 256 on AVX-512; 512 x 32767 x 128 < 2^31).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,15 +23,12 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define TOKENMILL_AVX512 1
-#endif
+#include "simd.h"
 
 namespace {
 
-constexpr int kTileN = 4;  // weight rows per tile
-constexpr int kTileM = 4;  // input rows per pass over a tile
+constexpr int kTileN = 4;                            // weight rows per tile
+constexpr int kTileM = simd::kNumRegs >= 32 ? 4 : 2;  // input rows per pass over a tile (kTileM x kTileN sums)
 #ifndef TOKENMILL_PREFETCH_BYTES
 #define TOKENMILL_PREFETCH_BYTES 32768
 #endif
@@ -48,7 +47,7 @@ struct QuantizedRows {
 
 inline QuantizedRows quantize_rows_int16(const float* x, int64_t M, int64_t K) {
   QuantizedRows r;
-  r.ld = (K + 31) / 32 * 32;
+  r.ld = (K + simd::kDotInputs - 1) / simd::kDotInputs * simd::kDotInputs;
   r.q.assign(M * r.ld, 0);
   r.row_scale.resize(M);
   for (int64_t m = 0; m < M; ++m) {
@@ -65,33 +64,38 @@ inline QuantizedRows quantize_rows_int16(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-#ifdef TOKENMILL_AVX512
+// One step of tile_i8: inputs [k, k + kDotInputs) (the weights' last n of a row when kTail).
+template <int MT, int NT, bool kTail>
+inline void step_i8(const QuantizedRows& xq, int64_t m0, int64_t K, const int8_t* w, int64_t k, int n,
+                    simd::IVec (&acc)[MT][NT]) {
+  using namespace simd;
+  IVec xv[MT];
+  for (int i = 0; i < MT; ++i) xv[i] = load_i16(xq.q.data() + (m0 + i) * xq.ld + k);  // zero-padded rows
+  for (int j = 0; j < NT; ++j) {
+    const int8_t* w_row = w + j * K + k;
+    prefetch_l2(reinterpret_cast<const char*>(w_row) + kPrefetchBytes);  // see kPrefetchBytes
+    const IVec wv = kTail ? load_i8_as_i16_n(w_row, n) : load_i8_as_i16(w_row);
+    for (int i = 0; i < MT; ++i) acc[i][j] = dot_i16(acc[i][j], xv[i], wv);
+  }
+}
 
-// int8 tile over int16 inputs: 32 weights per step, sign-extended to int16 and dot-accumulated in int32 pairs.
+// y[i][j] = (x row m0 + i) . (w row j) * scales, for an MT x NT tile: every weight read once per tile.
 template <int MT, int NT>
 inline void tile_i8(const QuantizedRows& xq, int64_t m0, int64_t K, const int8_t* w, const float* scale, float* y,
                     int64_t ldy) {
+  using namespace simd;
   constexpr int64_t kFlush = 4096;  // inputs per int32 accumulation (no overflow, see the header comment)
   float sums[MT][NT] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
     const int64_t k1 = std::min(K, k0 + kFlush);
-    __m512i acc[MT][NT];
+    IVec acc[MT][NT];
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = k1 - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << (k1 - k)) - 1);
-      __m512i xv[MT];
-      for (int i = 0; i < MT; ++i)
-        xv[i] = _mm512_loadu_si512(xq.q.data() + (m0 + i) * xq.ld + k);  // zero-padded to a multiple of 32
-      for (int j = 0; j < NT; ++j) {
-        const int8_t* w_row = w + j * K;
-        _mm_prefetch(reinterpret_cast<const char*>(w_row + k) + kPrefetchBytes, _MM_HINT_T1);  // see kPrefetchBytes
-        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w_row + k));
-        for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], xv[i], wv);
-      }
-    }
+      for (int j = 0; j < NT; ++j) acc[i][j] = izero();
+    int64_t k = k0;
+    for (; k + kDotInputs <= k1; k += kDotInputs) step_i8<MT, NT, false>(xq, m0, K, w, k, kDotInputs, acc);
+    if (k < k1) step_i8<MT, NT, true>(xq, m0, K, w, k, static_cast<int>(k1 - k), acc);
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) sums[i][j] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[i][j]));
+      for (int j = 0; j < NT; ++j) sums[i][j] += reduce_add_i32(acc[i][j]);
   }
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) y[i * ldy + j] = sums[i][j] * xq.row_scale[m0 + i] * scale[j];
@@ -119,31 +123,7 @@ inline void band_i8(const QuantizedRows& xq, int64_t M, int64_t K, const int8_t*
   for (; n < n1; ++n) tile_rows_i8<1>(xq, M, K, w + n * K, scale + n, y + n, N);
 }
 
-#else  // portable fallback: correct everywhere, vectorized only as far as the compiler manages
-
-inline void band_i8(const QuantizedRows& xq, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y,
-                    int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      const int16_t* qm = xq.q.data() + m * xq.ld;
-      const int8_t* wr = w + n * K;
-      int64_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<int64_t>(qm[k]) * wr[k];
-      y[m * N + n] = static_cast<float>(s) * xq.row_scale[m] * scale[n];
-    }
-}
-
-#endif
-
 }  // namespace
-
-inline bool has_avx512() {
-#ifdef TOKENMILL_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
 
 // y [M, N] = x [M, K] @ w [N, K]^T (w int8 when scale != nullptr, then times scale[n]); all contiguous.
 inline void small_linear_raw(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y,

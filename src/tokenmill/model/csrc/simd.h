@@ -1,0 +1,260 @@
+// The vector layer every kernel is written against, with one body per instruction set. The kernels (tiling,
+// register blocks, prefetch) are written once in terms of `Vec` and `kLanes`; setup.py compiles them once per
+// variant, and the compiler flags of that variant pick the body here:
+//
+//   variant  flags                                  kLanes  registers  int8 dot product
+//   avx512   -mavx512f/bw/vl/dq/vnni -mavx2 -mfma      16      32       vpdpwssd (VNNI)
+//   avx2     -mavx2 -mfma -mf16c                        8      16       vpmaddwd + vpaddd
+//   base     none (portable C++: any CPU, ARM too)      8       8 (*)   scalar loops the compiler vectorizes
+//
+// (*) base's Vec is an array of 8 floats, two 128-bit registers on SSE2 or NEON: register blocks are sized as
+// for 8 registers. A new instruction set is a new body of these few functions, not a new kernel.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__) && defined(__FMA__)
+#define TOKENMILL_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace simd {
+
+// Prefetch into L2 (prefetcht1 on x86), a no-op where the target has none.
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+#if defined(TOKENMILL_AVX512)
+inline constexpr const char* kIsa = "avx512";
+inline constexpr int kLanes = 16;
+inline constexpr int kNumRegs = 32;
+
+using Vec = __m512;  // the native type, not a wrapper: GCC kept arrays of a wrapper struct on the stack
+inline __mmask16 first_lanes(int n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec set1(float x) { return _mm512_set1_ps(x); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load_n(const float* p, int n, float fill = 0.f) {  // lanes >= n read nothing and hold `fill`
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), first_lanes(n), p);
+}
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline void store_n(float* p, Vec a, int n) { _mm512_mask_storeu_ps(p, first_lanes(n), a); }
+inline Vec keep_first(Vec a, int n) { return _mm512_maskz_mov_ps(first_lanes(n), a); }  // zero lanes >= n
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }  // b where either is NaN
+inline Vec round_nearest(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+inline Vec scale_pow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a); }
+// out[0..3] = the sums of a, b, c, d, with shared shuffles
+inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+}
+
+// int8 dot products over int16 inputs: a step takes kDotInputs int16 inputs and as many int8 weights, and adds
+// the products of each adjacent pair into one of kLanes int32 lanes.
+inline constexpr int kDotInputs = 2 * kLanes;
+using IVec = __m512i;
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec load_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline IVec load_i8_as_i16(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline IVec dot_i16(IVec acc, IVec a, IVec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline float reduce_add_i32(IVec a) { return _mm512_reduce_add_ps(_mm512_cvtepi32_ps(a)); }
+
+#elif defined(TOKENMILL_AVX2)
+inline constexpr const char* kIsa = "avx2";
+inline constexpr int kLanes = 8;
+inline constexpr int kNumRegs = 16;
+
+using Vec = __m256;
+alignas(32) inline constexpr int32_t kLaneMaskTable[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+inline __m256i first_lanes(int n) {  // lanes < n all ones
+  n = std::max(0, std::min(8, n));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kLaneMaskTable + 8 - n));
+}
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec set1(float x) { return _mm256_set1_ps(x); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load_n(const float* p, int n, float fill = 0.f) {  // lanes >= n read nothing and hold `fill`
+  const __m256i m = first_lanes(n);
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+inline void store_n(float* p, Vec a, int n) { _mm256_maskstore_ps(p, first_lanes(n), a); }
+inline Vec keep_first(Vec a, int n) { return _mm256_and_ps(a, _mm256_castsi256_ps(first_lanes(n))); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+inline Vec min(Vec a, Vec b) { return _mm256_min_ps(a, b); }  // b where either is NaN
+inline Vec round_nearest(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n for integral n in [-126, 128] (exp's range after its clamps): n goes straight into the exponent bits,
+// 128 giving infinity.
+inline Vec scale_pow2(Vec p, Vec n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline float hsum128(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_add(Vec a) { return hsum128(_mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1))); }
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // per 128-bit half
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
+inline constexpr int kDotInputs = 2 * kLanes;
+using IVec = __m256i;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec load_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec load_i8_as_i16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline IVec dot_i16(IVec acc, IVec a, IVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline float reduce_add_i32(IVec a) { return reduce_add(_mm256_cvtepi32_ps(a)); }
+
+#else  // base: portable C++ (GCC/Clang vector extensions), no intrinsics
+inline constexpr const char* kIsa = "base";
+inline constexpr int kLanes = 8;
+inline constexpr int kNumRegs = 8;
+
+typedef float Vec __attribute__((vector_size(4 * kLanes)));
+inline Vec zero() { return Vec{}; }
+inline Vec set1(float x) { return Vec{} + x; }
+inline Vec load(const float* p) {
+  Vec r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+inline Vec load_n(const float* p, int n, float fill = 0.f) {  // lanes >= n read nothing and hold `fill`
+  Vec r = set1(fill);
+  for (int i = 0; i < std::min(n, kLanes); ++i) r[i] = p[i];
+  return r;
+}
+inline void store(float* p, Vec a) { std::memcpy(p, &a, sizeof(a)); }
+inline void store_n(float* p, Vec a, int n) {
+  for (int i = 0; i < std::min(n, kLanes); ++i) p[i] = a[i];
+}
+inline Vec keep_first(Vec a, int n) {
+  for (int i = std::max(n, 0); i < kLanes; ++i) a[i] = 0.f;
+  return a;
+}
+inline Vec add(Vec a, Vec b) { return a + b; }
+inline Vec sub(Vec a, Vec b) { return a - b; }
+inline Vec mul(Vec a, Vec b) { return a * b; }
+inline Vec div(Vec a, Vec b) { return a / b; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return c - a * b; }
+inline Vec max(Vec a, Vec b) {  // as the x86 instructions: b where either is NaN
+  for (int i = 0; i < kLanes; ++i) b[i] = a[i] > b[i] ? a[i] : b[i];
+  return b;
+}
+inline Vec min(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) b[i] = a[i] < b[i] ? a[i] : b[i];
+  return b;
+}
+inline Vec round_nearest(Vec a) {
+  for (int i = 0; i < kLanes; ++i) a[i] = std::nearbyint(a[i]);
+  return a;
+}
+inline Vec scale_pow2(Vec p, Vec n) {
+  for (int i = 0; i < kLanes; ++i) p[i] = std::ldexp(p[i], static_cast<int>(n[i]));
+  return p;
+}
+inline float reduce_add(Vec a) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += a[i];
+  return s;
+}
+inline float reduce_max(Vec a) {
+  float m = a[0];
+  for (int i = 1; i < kLanes; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  out[0] = reduce_add(a), out[1] = reduce_add(b), out[2] = reduce_add(c), out[3] = reduce_add(d);
+}
+
+inline constexpr int kDotInputs = 2 * kLanes;
+// An accumulator uses lanes [0, kLanes); loaded inputs (int16 values, widened) use all kDotInputs.
+typedef int32_t IVec __attribute__((vector_size(4 * kDotInputs)));
+inline IVec izero() { return IVec{}; }
+inline IVec load_i16(const int16_t* p) {
+  IVec r;
+  for (int i = 0; i < kDotInputs; ++i) r[i] = p[i];
+  return r;
+}
+inline IVec load_i8_as_i16(const int8_t* p) {
+  IVec r;
+  for (int i = 0; i < kDotInputs; ++i) r[i] = p[i];
+  return r;
+}
+inline IVec dot_i16(IVec acc, IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) acc[i] += a[2 * i] * b[2 * i] + a[2 * i + 1] * b[2 * i + 1];
+  return acc;
+}
+inline float reduce_add_i32(IVec a) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += static_cast<float>(a[i]);
+  return s;
+}
+#endif
+
+// The int8 weights of a step past the end of a row: the first n (< kDotInputs) of them, zeros after, without
+// reading past p + n.
+inline IVec load_i8_as_i16_n(const int8_t* p, int n) {
+  int8_t buf[kDotInputs] = {};
+  std::memcpy(buf, p, static_cast<size_t>(std::max(0, std::min(n, kDotInputs))));
+  return load_i8_as_i16(buf);
+}
+
+// e^x: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error ~2e-7,
+// under float rounding of the softmax). x below -87 underflows to 0 as expf does (to ~1e-38 here); x above
+// ~88.4 gives infinity. NaN stays NaN (max and min return their second operand on NaN).
+inline Vec exp(Vec x) {
+  x = max(set1(-87.f), x);
+  x = min(set1(88.72f), x);
+  const Vec n = round_nearest(mul(x, set1(1.44269504f)));
+  Vec r = fnmadd(n, set1(0.693145752f), x);  // ln2 in two parts: hi ...
+  r = fnmadd(n, set1(1.42860677e-6f), r);    // ... and lo
+  Vec p = set1(1.f / 720);
+  p = fmadd(p, r, set1(1.f / 120));
+  p = fmadd(p, r, set1(1.f / 24));
+  p = fmadd(p, r, set1(1.f / 6));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.f));
+  p = fmadd(p, r, set1(1.f));
+  return scale_pow2(p, n);
+}
+
+}  // namespace simd
