@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
 from benchmarks.peers import HFContinuousRunner, HFStaticRunner, LlamaCppRunner, release_hf_models  # noqa: E402
 from benchmarks.tokenmill_runner import TokenmillRunner, measure_overhead  # noqa: E402
+from tokenmill import system_info  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_PEERS = ("hf", "hf_cb", "llamacpp")
@@ -314,6 +315,8 @@ class Suite:
                 },
                 "gguf": str(self.gguf),
                 "load_s": self.load_s,
+                # the CPU model and flags, the kernel variant and each fast path: what produced these figures
+                "system": system_info.collect(),
             },
             "hardware": limits.as_dict(),
             "cases": cases,
@@ -337,6 +340,7 @@ class Suite:
 
     def print_report(self, summary: dict[str, Any]) -> None:
         assert self.limits is not None
+        print("machine:", system_info.one_line(summary["meta"]["system"]))
         print(self.limits.describe())
         print()
         for case, info in summary["cases"].items():

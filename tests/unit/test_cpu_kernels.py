@@ -25,7 +25,7 @@ def ops(kernel_variant):
 
 
 # (rows, out, in): the model's shapes, tails in every dimension, no rows, a 64-row batch, and in beyond one
-# int32 flush of the int8 path (4,096 inputs)
+# int32 flush of the int8 path (2,048-8,192 inputs by variant)
 MATMUL_SHAPES = [
     (1, 960, 576),
     (3, 7, 19),
@@ -37,6 +37,7 @@ MATMUL_SHAPES = [
     (0, 5, 16),
     (2, 9, 5000),
     (1, 4, 8200),
+    (2, 5, 16500),
 ]
 
 
@@ -53,11 +54,12 @@ def test_small_linear_int8_within_the_int16_rounding_bound(ops, num_rows, out_fe
     assert (error <= bound + 1e-5 * expected.abs() + 1e-6).all()
 
 
-def test_small_linear_int8_does_not_overflow(ops) -> None:
-    x = torch.full((1, 8192), 3.0)  # every input at its row's maximum: int16 value 32767
-    q = torch.full((2, 8192), 127, dtype=torch.int8)
+@pytest.mark.parametrize("weight", [127, -128])
+def test_small_linear_int8_does_not_overflow(ops, weight: int) -> None:
+    x = torch.full((1, 20000), -3.0)  # every input at its row's maximum: int16 value -32767
+    q = torch.full((2, 20000), weight, dtype=torch.int8)
     out = ops.small_linear(x, q, torch.ones(2))
-    torch.testing.assert_close(out, torch.full((1, 2), 3.0 * 127 * 8192), rtol=1e-6, atol=0)
+    torch.testing.assert_close(out, torch.full((1, 2), -3.0 * weight * 20000), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +72,7 @@ def test_panel_linear_matches_float64(ops, num_rows: int, out_features: int, in_
     w = torch.randn(out_features, in_features, generator=gen)
     panels = ops.pack_panels(w)
     width = ops.panel_width()
-    assert width == {"avx512": 32, "avx2": 16, "base": 16}[ops.isa()]
+    assert width == {"avx512": 32, "avx2": 16, "base": 8}[ops.isa()]
     assert panels.shape == (-(-out_features // width), in_features, width)
     out = ops.panel_linear(x, panels, out_features)
     expected = x.double() @ w.double().T

@@ -164,3 +164,17 @@ def test_server_metrics_observe_and_engine_snapshot() -> None:
     assert s['tokenmill:idle_rows_total{model_name="tiny",reason="queue_empty"}'] == 9
     assert s[f"tokenmill:num_requests_in_flight{lbl}"] == 5
     assert s[f"tokenmill:queue_rejections_total{lbl}"] == 1
+
+
+def test_build_info_names_the_kernels_in_use() -> None:
+    from tokenmill import system_info
+
+    info = system_info.collect()
+    m = ServerMetrics("tiny")
+    m.set_build_info(info)
+    samples = parse(m.render())
+    (key,) = [k for k in samples if k.startswith("tokenmill:build_info")]
+    assert samples[key] == 1
+    assert f'kernel_variant="{info["kernel_variant"]}"' in key and f'torch="{info["torch"]}"' in key
+    off = [name for name, state in info["fast_paths"].items() if state.startswith("off")]
+    assert f'fast_paths_off="{",".join(off)}"' in key

@@ -23,8 +23,10 @@ What the getters below hand out, each the same source in every variant:
 - ``DecodeStack`` runs every decoder layer for a step of decode rows in one call (``csrc/decode_stack.h``),
   without the ~2,000 small torch ops per step of the eager forward.
 
-On the portable ``base`` variant the matmuls (and so the decode stack) stay off: its loops, vectorized by the
-compiler only, are slower than oneDNN's fp32 and torch's int8 kernels (``fast_paths`` says so per path).
+On the portable ``base`` variant the matmuls (and so the decode stack) stay off: its plain vector code, measured on
+AVX-512 hardware against oneDNN capped to SSE4.1 (``ONEDNN_MAX_CPU_ISA=SSE41 benchmarks/bench_linear.py --variants
+base``), won at 1-16 rows (6.8 vs 11.3 ms, 22.7 vs 33.6) and lost at 256 (58 vs 71 GFLOP/s), and its int8 loop lost
+to torch's int8 kernel at every row count (``fast_paths`` says so per path).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def fast_paths() -> dict[str, str]:
     state = loaded()
     if state.module is None:
         return dict.fromkeys(_PATHS, f"off: no kernels ({state.reason})")
-    matmul = "on" if state.variant in _MATMUL_VARIANTS else "off: the portable build's loops lose to torch's"
+    matmul = "on" if state.variant in _MATMUL_VARIANTS else "off: the portable build loses to oneDNN / torch's int8"
     return {
         "paged_decode": "on",
         "paged_prefill": f"on (head sizes divisible by {state.module.panel_width()})",

@@ -70,6 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine import Engine
     from tokenmill.server.app import build_app
     from tokenmill.server.async_engine import AsyncEngine
+    from tokenmill import system_info
     from tokenmill.server.metrics import ServerMetrics
 
     logging.basicConfig(
@@ -83,7 +84,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine = Engine(engine_config_from_args(args))
     served_name = args.served_model_name or engine.model_name
-    async_engine = AsyncEngine(engine, max_queue=args.max_queue, metrics=ServerMetrics(served_name))
+    metrics = ServerMetrics(served_name)
+    info = system_info.collect()
+    metrics.set_build_info(info)
+    logger.info("%s", system_info.one_line(info))
+    async_engine = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
     app = build_app(async_engine, served_name, api_key, args.max_body_bytes)
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",

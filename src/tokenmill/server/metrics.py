@@ -12,6 +12,7 @@ import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 LabelValues = tuple[str, ...]
 
@@ -296,6 +297,11 @@ class ServerMetrics:
             REQUEST_BUCKETS_S,
         )
         # tokenmill's own
+        self.build_info = self._gauge(
+            "tokenmill:build_info",
+            "Always 1; the labels say what runs: versions, the CPU, the kernel variant, the fast paths that are off.",
+            ("model_name", "version", "torch", "cpu_model", "kernel_variant", "fast_paths_off"),
+        )
         self.occupancy = self._gauge(
             "tokenmill:batch_occupancy", "Rows computed / rows possible over all iterations.", m
         )
@@ -392,6 +398,12 @@ class ServerMetrics:
                         self.e2e.observe(labels, ev.e2e_s)
 
     # --- HTTP thread ---------------------------------------------------------------------------------
+    def set_build_info(self, info: Mapping[str, Any]) -> None:
+        """``info`` from :func:`tokenmill.system_info.collect`."""
+        off = ",".join(name for name, state in info["fast_paths"].items() if state.startswith("off"))
+        labels = (self.model_name, info["tokenmill"], info["torch"], info["cpu_model"], info["kernel_variant"], off)
+        self.build_info.set(labels, 1.0)
+
     def count_rejection(self) -> None:
         with self.registry.lock:
             self.queue_rejections.inc(self._labels)

@@ -1,7 +1,7 @@
 // fp32 linear layers on CPU at every batch size: y [M, N] = x [M, K] @ W [N, K]^T, W stored as column panels.
 //
 // Packing: W [N, K] -> panels [P, K, kPanel], P = ceil(N / kPanel), kPanel = 2 vectors (32 columns on AVX-512,
-// 16 on AVX2 and base), panel p holding output columns kPanel*p .. kPanel*p+kPanel-1 for each k in turn
+// 16 on AVX2, 8 on base), panel p holding output columns kPanel*p .. kPanel*p+kPanel-1 for each k in turn
 // (zero-padded past N). One kernel then serves decode and prefill:
 // - each thread owns a contiguous run of panels and reads it once from memory, in storage order, with a
 //   software prefetch 16 KB ahead into L2 (what a decode step of a few rows is bound by);

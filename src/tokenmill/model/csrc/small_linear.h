@@ -12,8 +12,8 @@
 // nats/token against torch's bf16-input kernel's +0.0033), and the weights are sign-extended to int16 as they
 // load. The products then go through simd.h's dot_i16: VNNI's vpdpwssd on AVX-512 (32 int16 pairs per
 // instruction into int32 lanes), vpmaddwd + vpaddd on AVX2 (16 pairs), a plain loop on base. Exact integer sums,
-// one float conversion at the end (or every 4,096 inputs, so no lane can overflow: a lane takes 2 products per
-// step and at most 512 per flush on AVX2 and base, 256 on AVX-512; 512 x 32767 x 128 < 2^31).
+// one float conversion at the end (or every 256 steps, so no lane can overflow: a lane takes 2 products per step,
+// 512 per flush, and 512 x 32767 x 128 < 2^31).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -84,7 +84,7 @@ template <int MT, int NT>
 inline void tile_i8(const QuantizedRows& xq, int64_t m0, int64_t K, const int8_t* w, const float* scale, float* y,
                     int64_t ldy) {
   using namespace simd;
-  constexpr int64_t kFlush = 4096;  // inputs per int32 accumulation (no overflow, see the header comment)
+  constexpr int64_t kFlush = 256 * kDotInputs;  // inputs per int32 accumulation (no overflow: see the top)
   float sums[MT][NT] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
     const int64_t k1 = std::min(K, k0 + kFlush);
