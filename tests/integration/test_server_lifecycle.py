@@ -175,15 +175,3 @@ def test_sigterm_finishes_or_aborts_in_flight_then_exits(server: ServerProcess) 
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", server.port), timeout=1):
         pass
 
-
-def test_metrics_say_which_kernels_run(server: ServerProcess) -> None:
-    """The server exports the kernel variant it loaded: the one this machine's CPU flags and environment pick."""
-    import os
-
-    from tokenmill.model import kernel_variants as kv
-
-    expected = kv.choose_variant(kv.read_cpu_info()[1], os.environ.get(kv.ENV_CAP))
-    if os.environ.get("TOKENMILL_NO_CPP") == "1":
-        expected = "none"
-    (key,) = [k for k in server.metrics() if k.startswith("tokenmill:build_info")]
-    assert f'kernel_variant="{expected}"' in key

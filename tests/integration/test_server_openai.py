@@ -265,3 +265,16 @@ def test_raw_sse_framing(server: ServerProcess, model: str) -> None:
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 5
     assert sum(1 for c in chunks if c.get("usage")) == 1
+
+
+def test_metrics_say_which_kernels_run(server: ServerProcess) -> None:
+    """The server exports the kernel variant it loaded: the one this machine's CPU flags and environment pick."""
+    import os
+
+    from tokenmill.model import kernel_variants as kv
+
+    expected = kv.choose_variant(kv.read_cpu_info()[1], os.environ.get(kv.ENV_CAP))
+    if os.environ.get("TOKENMILL_NO_CPP") == "1":
+        expected = "none"
+    (key,) = [k for k in server.metrics() if k.startswith("tokenmill:build_info")]
+    assert f'kernel_variant="{expected}"' in key
