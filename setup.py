@@ -20,7 +20,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = Path(__file__).resolve().parent
 # The variants, their flags and the source digest have one definition, shared with the run-time loader; loaded
 # by path, since the package itself is not importable before it is built.
-_spec = importlib.util.spec_from_file_location("kernel_variants", ROOT / "src/tokenmill/model/kernel_variants.py")
+_spec = importlib.util.spec_from_file_location(
+    "kernel_variants", ROOT / "src/tokenmill/model/kernel_variants.py"
+)
 assert _spec is not None and _spec.loader is not None
 kv = importlib.util.module_from_spec(_spec)
 sys.modules["kernel_variants"] = kv

@@ -43,7 +43,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     runnable = kernel_variants.runnable_variants(kernel_variants.read_cpu_info()[1])
-    parser.add_argument("--variants", default=",".join(runnable), help="kernel variants to time, side by side")
+    parser.add_argument(
+        "--variants", default=",".join(runnable), help="kernel variants to time, side by side"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     modules = {v: load_variant(v) for v in args.variants.split(",") if v}
@@ -77,13 +79,18 @@ def main() -> None:
             ),
             **{
                 f"panel-{v}": (
-                    lambda i, j, xs=xs, mod=mod, v=v: mod.panel_linear(xs[SHAPES[j][1]], paneled[v][i][j], SHAPES[j][0]),
+                    lambda i, j, xs=xs, mod=mod, v=v: mod.panel_linear(
+                        xs[SHAPES[j][1]], paneled[v][i][j], SHAPES[j][0]
+                    ),
                     4,
                 )
                 for v, mod in modules.items()
             },
             **{
-                f"small8-{v}": (lambda i, j, xs=xs, mod=mod: mod.small_linear(xs[SHAPES[j][1]], *int8[i][j]), 1)
+                f"small8-{v}": (
+                    lambda i, j, xs=xs, mod=mod: mod.small_linear(xs[SHAPES[j][1]], *int8[i][j]),
+                    1,
+                )
                 for v, mod in modules.items()
             },
             "torch8": (

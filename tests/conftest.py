@@ -2,12 +2,11 @@
 
 # tokenmill's OpenMP spin setting (src/tokenmill/__init__.py) must be in place before torch loads: the
 # test run starts server subprocesses next to itself, and threads spinning long would crawl.
-import tokenmill  # noqa: F401
-
 from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
 
+import tokenmill  # noqa: F401
 from tokenmill.model import kernel_variants  # noqa: E402  (torch-free)
 
 # Every kernel variant this CPU can execute: an AVX-512 machine tests its AVX2 and portable builds too.

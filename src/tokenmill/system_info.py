@@ -31,7 +31,9 @@ def collect() -> dict[str, Any]:
 
 def one_line(info: dict[str, Any]) -> str:
     """The start-up log line: the CPU, the kernels and the paths that are off."""
-    off = [name for name, state in info["fast_paths"].items() if state != "on" and not state.startswith("on ")]
+    off = [
+        name for name, state in info["fast_paths"].items() if state != "on" and not state.startswith("on ")
+    ]
     return (
         f"CPU {info['cpu_model']} ({' '.join(info['cpu_isa_flags']) or 'no vector flags read'}); "
         f"kernels {info['kernel_variant']} ({info['kernel_reason']}); "

@@ -174,4 +174,3 @@ def test_sigterm_finishes_or_aborts_in_flight_then_exits(server: ServerProcess) 
     assert len(long) < 500
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", server.port), timeout=1):
         pass
-

@@ -179,14 +179,18 @@ def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):
 
 def _torch_reference(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
     """The same weights as plain fp32 torch modules (int8 layers dequantized), with every C++ kernel off."""
-    monkeypatch.setattr(cpu_kernels, "loaded", lambda: cpu_kernels.LoadedKernels(None, None, "off", "", frozenset()))
+    monkeypatch.setattr(
+        cpu_kernels, "loaded", lambda: cpu_kernels.LoadedKernels(None, None, "off", "", frozenset())
+    )
     reference = random_model(model.config, seed=0)
     ref_modules = dict(reference.named_modules())
     with torch.no_grad():
         for name, layer in model.named_modules():
             weight = layer.dequantize() if isinstance(layer, Int8Linear) else getattr(layer, "weight", None)
             if name == "lm_head":  # int8 copy of a tied head: the reference gets it as its own head
-                reference.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+                reference.lm_head = torch.nn.Linear(
+                    model.config.hidden_size, model.config.vocab_size, bias=False
+                )
                 reference.lm_head.weight.copy_(weight)
             elif isinstance(weight, torch.Tensor):
                 ref_modules[name].weight.copy_(weight)

@@ -14,7 +14,9 @@ import pytest
 from tokenmill.model import kernel_variants as kv
 
 # /proc/cpuinfo flags of the two kinds of machine the project meets (trimmed to the vector ones that matter)
-ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2".split())
+ZEN3 = frozenset(
+    ["fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2"]
+)
 SAPPHIRE_RAPIDS = ZEN3 | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512dq", "avx512bw", "avx512vl"}  # AVX-512 without VNNI
 
@@ -47,7 +49,10 @@ def test_a_bad_cap_is_a_value_error() -> None:
 def test_read_cpu_info_parses_linux_cpuinfo(tmp_path: Path) -> None:
     text = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma f16c\n\nprocessor\t: 1\n"
     (tmp_path / "cpuinfo").write_text(text + "model name\t: other\nflags\t\t: fpu\n")
-    assert kv.read_cpu_info(tmp_path / "cpuinfo") == ("AMD EPYC 7B13", frozenset({"fpu", "avx2", "fma", "f16c"}))
+    assert kv.read_cpu_info(tmp_path / "cpuinfo") == (
+        "AMD EPYC 7B13",
+        frozenset({"fpu", "avx2", "fma", "f16c"}),
+    )
     assert kv.read_cpu_info(tmp_path / "missing")[1] == frozenset()
 
 
@@ -75,7 +80,9 @@ print(json.dumps({{"variant": state.variant, "modules": sorted(m for m in sys.mo
 """
     run_env = {k: v for k, v in os.environ.items() if k not in (kv.ENV_CAP, "TOKENMILL_NO_CPP")}
     run_env.update(env or {})
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=run_env, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -90,7 +97,9 @@ def test_the_cap_and_the_off_switch() -> None:
     got = _loaded_in_subprocess(SAPPHIRE_RAPIDS, {kv.ENV_CAP: "base"})
     assert got["variant"] == "base" and got["modules"] == ["tokenmill._C_base"]
     paths = got["paths"]
-    assert isinstance(paths, dict) and paths["paged_decode"] == "on" and paths["panel_linear"].startswith("off")
+    assert (
+        isinstance(paths, dict) and paths["paged_decode"] == "on" and paths["panel_linear"].startswith("off")
+    )
     got = _loaded_in_subprocess(SAPPHIRE_RAPIDS, {"TOKENMILL_NO_CPP": "1"})
     assert got["variant"] is None and got["modules"] == []
 
@@ -114,6 +123,8 @@ def test_a_variant_holds_no_wider_instructions_than_its_own(variant: str, forbid
 
     path = importlib.import_module(f"tokenmill._C_{variant}").__file__
     assert path is not None
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True)
+    listing = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
+    )
     assert listing.stdout.count("\tv") > 0 or variant == "base"  # the AVX2 build does use vector instructions
     assert not [register for register in forbidden if register in listing.stdout]

@@ -69,7 +69,9 @@ def load_variant(variant: str, flags: frozenset[str] | None = None) -> ModuleTyp
     flags = kv.read_cpu_info()[1] if flags is None else flags
     missing = kv.missing_flags(variant, flags)
     if missing or (variant != "base" and not kv.is_x86()):
-        raise RuntimeError(f"the {variant} kernels need CPU flags {missing or ['x86-64']}, which this CPU lacks")
+        raise RuntimeError(
+            f"the {variant} kernels need CPU flags {missing or ['x86-64']}, which this CPU lacks"
+        )
     module = importlib.import_module(f"tokenmill._C_{variant}")
     if module.isa() != variant:
         raise RuntimeError(f"tokenmill._C_{variant} was compiled as {module.isa()!r}: rebuild tokenmill")
@@ -91,7 +93,9 @@ def loaded() -> LoadedKernels:
         logger.warning("C++ kernels not built (%s); using the torch path. Reinstall: make setup", exc)
         return LoadedKernels(None, None, f"tokenmill._C_{variant} is not built: {exc}", cpu_model, flags)
     if kv.CSRC.is_dir() and module.source_digest() != kv.source_digest():
-        logger.warning("the C++ kernels were built from other sources than %s: rebuild them (make setup)", kv.CSRC)
+        logger.warning(
+            "the C++ kernels were built from other sources than %s: rebuild them (make setup)", kv.CSRC
+        )
         reason += "; STALE: built from other sources than csrc/ (make setup)"
     return LoadedKernels(variant, module, reason, cpu_model, flags)
 
@@ -110,7 +114,11 @@ def fast_paths() -> dict[str, str]:
     state = loaded()
     if state.module is None:
         return dict.fromkeys(_PATHS, f"off: no kernels ({state.reason})")
-    matmul = "on" if state.variant in _MATMUL_VARIANTS else "off: the portable build loses to oneDNN / torch's int8"
+    matmul = (
+        "on"
+        if state.variant in _MATMUL_VARIANTS
+        else "off: the portable build loses to oneDNN / torch's int8"
+    )
     return {
         "paged_decode": "on",
         "paged_prefill": f"on (head sizes divisible by {state.module.panel_width()})",
@@ -129,7 +137,11 @@ def kernel_summary() -> dict[str, Any]:
     state = loaded()
     return {
         "cpu_model": state.cpu_model,
-        "cpu_isa_flags": sorted(f for f in state.cpu_flags if f in kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}),
+        "cpu_isa_flags": sorted(
+            f
+            for f in state.cpu_flags
+            if f in kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}
+        ),
         "kernel_variant": state.variant or "none",
         "kernel_reason": state.reason,
         "runnable_variants": kv.runnable_variants(state.cpu_flags),

@@ -115,7 +115,11 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
         ):
-            if isinstance(proj, Linear) and _is_panels(proj.packed_weight, width) and proj.out_features % width == 0:
+            if (
+                isinstance(proj, Linear)
+                and _is_panels(proj.packed_weight, width)
+                and proj.out_features % width == 0
+            ):
                 tensors += (proj.packed_weight, empty)
             elif isinstance(proj, Int8Linear) and _fp32_cpu(proj.scales) and proj.weight_int8.is_contiguous():
                 tensors += (proj.weight_int8, proj.scales)

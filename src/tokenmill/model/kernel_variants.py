@@ -15,12 +15,23 @@ from pathlib import Path
 # variant's compiler flags let the compiler use.
 VARIANTS = ("avx512", "avx2", "base")
 COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
+    "avx512": (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+    ),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "base": (),
 }
 CPU_FLAGS: dict[str, frozenset[str]] = {
-    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
+    "avx512": frozenset(
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}
+    ),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "base": frozenset(),
 }

@@ -67,10 +67,10 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build everything from ``args`` and serve until a signal; 0 after a clean shutdown."""
     import uvicorn
 
+    from tokenmill import system_info
     from tokenmill.engine import Engine
     from tokenmill.server.app import build_app
     from tokenmill.server.async_engine import AsyncEngine
-    from tokenmill import system_info
     from tokenmill.server.metrics import ServerMetrics
 
     logging.basicConfig(

@@ -401,7 +401,14 @@ class ServerMetrics:
     def set_build_info(self, info: Mapping[str, Any]) -> None:
         """``info`` from :func:`tokenmill.system_info.collect`."""
         off = ",".join(name for name, state in info["fast_paths"].items() if state.startswith("off"))
-        labels = (self.model_name, info["tokenmill"], info["torch"], info["cpu_model"], info["kernel_variant"], off)
+        labels = (
+            self.model_name,
+            info["tokenmill"],
+            info["torch"],
+            info["cpu_model"],
+            info["kernel_variant"],
+            off,
+        )
         self.build_info.set(labels, 1.0)
 
     def count_rejection(self) -> None:
