@@ -106,14 +106,14 @@ def assert_incremental_matches(
 
 
 # --- tiny random models saved by transformers ----------------------------------------------------
-def _tiny_hf_model(tie: bool = False, rope_scaling: dict | None = None, seed: int = 0):
+def _tiny_hf_model(tie: bool = False, rope_scaling: dict | None = None, seed: int = 0, **shape: int):
     config = transformers.LlamaConfig(
         vocab_size=96,
-        hidden_size=64,
-        intermediate_size=112,
+        hidden_size=shape.get("hidden_size", 64),
+        intermediate_size=shape.get("intermediate_size", 112),
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=shape.get("num_attention_heads", 4),
+        num_key_value_heads=shape.get("num_key_value_heads", 2),
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -160,6 +160,22 @@ def test_tiny_gqa_untied_dir_loaded_by_load_model(tmp_path: Path) -> None:
     assert_flat_batch_matches(loaded.model, loaded.config, hf_model, prompts, block_size=4)
     assert_incremental_matches(
         loaded.model, loaded.config, hf_model, _random_prompts([40], 96, 1)[0], 9, block_size=4
+    )
+
+
+def test_every_kernel_variant_matches_hf(kernel_variant, tmp_path: Path) -> None:
+    """Each C++ variant this CPU runs, through the whole model: the tiled prefill, the register decode attention
+    (head size 64, 3 query heads per KV head, as SmolLM2), the panel matmuls and the decode stack."""
+    hf_model = _tiny_hf_model(
+        seed=3, hidden_size=192, intermediate_size=256, num_attention_heads=3, num_key_value_heads=1
+    )
+    _save_with_tokenizer(hf_model, tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu")  # packed for the variant the fixture loaded
+    assert (loaded.model.decode_stack is not None) == (kernel_variant.isa() != "base")
+    prompts = _random_prompts([1, 7, 33, 70], 96, 4)
+    assert_flat_batch_matches(loaded.model, loaded.config, hf_model, prompts, block_size=16)
+    assert_incremental_matches(
+        loaded.model, loaded.config, hf_model, _random_prompts([90], 96, 5)[0], 40, block_size=16
     )
 
 
