@@ -109,6 +109,11 @@ def _matmul_module() -> ModuleType | None:
     return state.module if state.variant in _MATMUL_VARIANTS else None
 
 
+_PATHS = ("paged_decode", "paged_prefill", "elementwise", "panel_linear", "small_linear_int8", "decode_stack")
+# The CPU flags `tokenmill info` reports: the ones a variant needs, and a few that say what a CPU could add
+_REPORTED_FLAGS = kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}
+
+
 def fast_paths() -> dict[str, str]:
     """Each fast path: "on", or "off: <reason>" (what ``tokenmill info`` prints)."""
     state = loaded()
@@ -129,19 +134,12 @@ def fast_paths() -> dict[str, str]:
     }
 
 
-_PATHS = ("paged_decode", "paged_prefill", "elementwise", "panel_linear", "small_linear_int8", "decode_stack")
-
-
 def kernel_summary() -> dict[str, Any]:
     """The machine and the kernels in use, for ``tokenmill info``, the server's start line and the benchmarks."""
     state = loaded()
     return {
         "cpu_model": state.cpu_model,
-        "cpu_isa_flags": sorted(
-            f
-            for f in state.cpu_flags
-            if f in kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}
-        ),
+        "cpu_isa_flags": sorted(state.cpu_flags & _REPORTED_FLAGS),
         "kernel_variant": state.variant or "none",
         "kernel_reason": state.reason,
         "runnable_variants": kv.runnable_variants(state.cpu_flags),
