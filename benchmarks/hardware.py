@@ -7,6 +7,9 @@ threads and dtype could in principle reach:
   shapes (q/k/v/o, gate/up/down, and their fused forms) at a compute-bound number of tokens.
 - ``peak_read_bw``: the best bytes/s of two read-only kernels over a tensor far larger than the
   last-level cache: ``x.sum()`` and a matrix-vector product (what a decode step does to its weights).
+  On CPU the tensor is twice the last-level cache as Linux reports it, and at least 256 MiB: some cloud
+  CPUs report a 480 MiB L3, where 256 MiB read partly from that cache and measured 34-43 GB/s against
+  30-33 GB/s from memory (2 threads, Xeon under KVM, 2026-12-01).
 
 Run alone: ``python benchmarks/hardware.py [--device cuda]``.
 """
@@ -17,6 +20,7 @@ import argparse
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,8 @@ class HardwareLimits:
     peak_read_bw: float  # bytes/s
     matmul: list[MatmulPoint] = field(default_factory=list)
     bandwidth_by_method: dict[str, float] = field(default_factory=dict)  # bytes/s
+    bandwidth_probe_bytes: int = 0  # the size of the tensor read
+    last_level_cache_bytes: int | None = None  # CPU only, as Linux reports it
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -54,8 +60,11 @@ class HardwareLimits:
                 f"  matmul {p.name:<10} [{p.num_tokens}x{p.in_features}]x[{p.in_features}x{p.out_features}]"
                 f"  {p.gflops:8.1f} GFLOP/s"
             )
+        probe = f"{self.bandwidth_probe_bytes >> 20} MiB read"
+        if self.last_level_cache_bytes:
+            probe += f", last-level cache {self.last_level_cache_bytes >> 20} MiB"
         for name, bw in self.bandwidth_by_method.items():
-            lines.append(f"  read   {name:<10} {bw / 1e9:8.1f} GB/s")
+            lines.append(f"  read   {name:<10} {bw / 1e9:8.1f} GB/s  ({probe})")
         return "\n".join(lines)
 
 
@@ -120,6 +129,29 @@ def measure_matmul(
     return points
 
 
+def last_level_cache_bytes(cpu_cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The largest data or unified cache CPU 0 sees (Linux sysfs), or None where it is not reported."""
+    sizes = []
+    for index in sorted(cpu_cache_dir.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+    return max(sizes) if sizes else None
+
+
+def bandwidth_probe_bytes(device: torch.device, llc_bytes: int | None) -> int:
+    """How much to read for the bandwidth probe: 2 GiB on GPU; on CPU 2x the last-level cache, 256 MiB-4 GiB."""
+    if device.type == "cuda":
+        return 2 << 30
+    return min(4 << 30, max(256 << 20, 2 * (llc_bytes or 0)))
+
+
 def measure_read_bandwidth(
     device: torch.device, dtype: torch.dtype, num_bytes: int, min_total_s: float = 0.5
 ) -> dict[str, float]:
@@ -154,8 +186,9 @@ def measure(
     device = torch.device(device)
     if shapes is None:  # SmolLM2-135M's shapes
         shapes = model_matmul_shapes(576, 1536, 9, 3, 64, 49152)
+    llc_bytes = last_level_cache_bytes() if device.type == "cpu" else None
     if bandwidth_bytes is None:
-        bandwidth_bytes = (2 << 30) if device.type == "cuda" else (256 << 20)
+        bandwidth_bytes = bandwidth_probe_bytes(device, llc_bytes)
     min_total_s = 0.1 if quick else 0.3
     if token_counts is None:
         token_counts = (1024,) if quick else (1024, 4096)
@@ -173,6 +206,8 @@ def measure(
         peak_read_bw=max(bw.values()),
         matmul=points,
         bandwidth_by_method=bw,
+        bandwidth_probe_bytes=bandwidth_bytes,
+        last_level_cache_bytes=llc_bytes,
     )
 
 

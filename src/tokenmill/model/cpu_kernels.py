@@ -12,7 +12,8 @@ What the getters below hand out, each the same source in every variant:
   prefix), reading keys and values in place from the paged cache (``csrc/attention_decode.h``): no gather into a
   padded copy, which is where the pure-torch decode path spends its time at batch 64.
 - ``paged_prefill_`` attends the tokens of prefills in tiles per sequence and KV head, as two small
-  register-blocked matrix products over the paged cache (``csrc/attention_prefill.h``).
+  register-blocked matrix products over K^T and V copied once per sequence and head out of the paged cache
+  (``csrc/attention_prefill.h``).
 - ``panel_linear`` multiplies by an fp32 weight packed as column panels at every batch size
   (``csrc/panel_linear.h``): the weight read once in storage order for a few decode rows, register-blocked
   outer products for many.

@@ -66,11 +66,15 @@ inline float exp_sum(float* scores, int64_t n, float max_score) {
 inline float max_of(const float* scores, int64_t n) {
   using namespace simd;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  Vec m = set1(neg_inf);
+  Vec m = set1(neg_inf), m1 = m, m2 = m, m3 = m;  // four chains: one waits on each max's latency
   int64_t t = 0;
+  for (; t + 4 * kLanes <= n; t += 4 * kLanes) {
+    m = max(m, load(scores + t)), m1 = max(m1, load(scores + t + kLanes));
+    m2 = max(m2, load(scores + t + 2 * kLanes)), m3 = max(m3, load(scores + t + 3 * kLanes));
+  }
   for (; t + kLanes <= n; t += kLanes) m = max(m, load(scores + t));
   if (t < n) m = max(m, load_n(scores + t, static_cast<int>(n - t), neg_inf));
-  return reduce_max(m);
+  return reduce_max(max(max(m, m1), max(m2, m3)));
 }
 
 // Blocks sit anywhere in the pool, so no hardware prefetcher can guess the next one. Each thread walks its own

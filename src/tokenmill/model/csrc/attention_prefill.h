@@ -1,12 +1,13 @@
-// Causal attention for the prompt tokens of a prefill step on CPU (fp32), read in place from the paged cache.
+// Causal attention for the prompt tokens of a prefill step on CPU (fp32), over the paged cache.
 //
 // The one-query-per-row kernel (attention_decode.h) loads every key and value once per query token. Here a tile
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
 //   scores [R, L] = Q [R, D] @ K^T [D, L]     (R = tokens x the G query heads of the KV head)
 //   out    [R, D] = softmax(scores) @ V [L, D]
-// The keys visible to the tile are transposed once into K^T (panels of kPanel keys, as panel_linear.h's weights,
-// and through its register block), so both products are register-blocked outer products: per step two vector
-// loads feed kPanelMaxRows broadcasts and twice as many FMAs (8 and 16 on AVX-512, 6 and 12 on AVX2).
+// The keys and values visible to the tile are copied once per (sequence, KV head) out of the cache, as K^T [D, L]
+// and V [L, D], so both products go through panel_linear.h's register block (a window of kPanel columns of K^T
+// or V as its panel): per step two vector loads feed kPanelMaxRows broadcasts and twice as many FMAs (8 and 16
+// on AVX-512, 6 and 12 on AVX2).
 // Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
 // and a block of rows reads keys only up to its last row's position.
 #pragma once
@@ -26,45 +27,9 @@ namespace {
 constexpr int64_t kPrefillTileTokens = 64;  // query tokens per work item
 constexpr int kPrefillRowBlock = kPanelMaxRows;  // query rows per register block
 
-// out[r][d0..d0+kPanel-1] = sum_t p[r * ldp + t] * V[t][d0..d0+31] for r < R, t < num_keys; V rows through the block
-// table (one KV head's slice of each cached token).
-template <int R>
-inline void pv_block(const float* p, int64_t ldp, const PagedCache& c, const int64_t* block_table, int64_t kv_head,
-                     int64_t d0, int64_t num_keys, float* out, int64_t ldo) {
-  using namespace simd;
-  Vec lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero();
-  const int64_t BS = c.block_size, ts = c.token_stride(), bs = c.block_stride();
-  for (int64_t t0 = 0; t0 < num_keys; t0 += BS) {
-    const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * c.head_dim + d0;
-    const int64_t n = std::min(BS, num_keys - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const Vec v0 = load(vb + i * ts), v1 = load(vb + i * ts + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const Vec x = set1(p[r * ldp + t0 + i]);
-        lo[r] = fmadd(x, v0, lo[r]);
-        hi[r] = fmadd(x, v1, hi[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    store(out + r * ldo, lo[r]);
-    store(out + r * ldo + kLanes, hi[r]);
-  }
-}
-
-template <int R>
-inline void pv_block_n(int rows, const float* p, int64_t ldp, const PagedCache& c, const int64_t* block_table,
-                       int64_t kv_head, int64_t d0, int64_t num_keys, float* out, int64_t ldo) {
-  if constexpr (R >= 1) {
-    if (rows == R) return pv_block<R>(p, ldp, c, block_table, kv_head, d0, num_keys, out, ldo);
-    pv_block_n<R - 1>(rows, p, ldp, c, block_table, kv_head, d0, num_keys, out, ldo);
-  }
-}
-
 struct PrefillScratch {
-  std::vector<float> kt, q, scores, out;
-  int64_t seq = -1, head = -1, ld = 0, num_keys = 0;  // kt holds keys [0, num_keys) of this (seq, head)
+  std::vector<float> kt, v, q, scores, out;
+  int64_t seq = -1, head = -1, ld = 0, num_keys = 0;  // kt and v hold keys [0, num_keys) of this (seq, head)
 };
 
 // One tile: tokens [j0, j1) of sequence `seq`, whose query tokens start at flat row q_start, the first at
@@ -81,16 +46,20 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
     s.seq = seq, s.head = h, s.num_keys = 0;
     s.ld = (total_len + kPanel - 1) / kPanel * kPanel;  // keys padded to whole panels
     s.kt.assign(D * s.ld, 0.f);
+    s.v.resize(s.ld * D);
   }
   const int64_t ld = s.ld;
-  // K^T [D, ld] for this KV head: the keys not transposed yet, a run of one cache block's tokens at a time
+  // K^T [D, ld] and V [ld, D] for this KV head, contiguous: the keys not copied yet, a run of one cache block's
+  // tokens at a time (V read in place, through the block table, ran 30% slower on AVX2)
   for (int64_t t0 = s.num_keys; t0 < num_keys;) {
-    const int64_t n = std::min(BS - t0 % BS, num_keys - t0);
-    const float* kb = c.k + block_table[t0 / BS] * bs + (t0 % BS) * ts + h * D;
+    const int64_t n = std::min(BS - t0 % BS, num_keys - t0), offset = block_table[t0 / BS] * bs + (t0 % BS) * ts;
+    const float* kb = c.k + offset + h * D;
     for (int64_t d = 0; d < D; ++d) {
       float* dst = s.kt.data() + d * ld + t0;
       for (int64_t i = 0; i < n; ++i) dst[i] = kb[i * ts + d];
     }
+    const float* vb = c.v + offset + h * D;
+    for (int64_t i = 0; i < n; ++i) std::copy_n(vb + i * ts, D, s.v.data() + (t0 + i) * D);
     t0 += n;
   }
   s.num_keys = num_keys;
@@ -119,8 +88,9 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
       for (int64_t t = 0; t < len; ++t) row[t] *= inv;
       std::fill(row + len, row + block_keys, 0.f);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += kPanel)
-      pv_block_n<kPrefillRowBlock>(rows, sc, ld, c, block_table, h, d0, block_keys, s.out.data() + r0 * D + d0, D);
+    for (int64_t d0 = 0; d0 < D; d0 += kPanel)  // out [rows, D] = P [rows, block_keys] @ V [block_keys, D]
+      panel_block_n<kPrefillRowBlock, false>(rows, sc, ld, s.v.data() + d0, D, block_keys, s.out.data() + r0 * D + d0,
+                                             D, kPanel);
   }
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t g = 0; g < G; ++g)
@@ -155,8 +125,9 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
   const int64_t n = sq.size(0), max_blocks = bt.size(1), num_blocks = k_cache.size(0);
   for (int64_t i = 0; i < bt.numel(); ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "block id out of range");
   // Work items: (sequence, KV head, tile of up to kPrefillTileTokens tokens), tiles of a (sequence, head) adjacent
-  // so that a thread running several reuses its K^T.
+  // so that a thread running several reuses its K^T and V.
   std::vector<int64_t> item_seq, item_head, item_j0;
+  std::vector<double> cost_before{0.0};  // cost_before[i]: the work of items < i, as query tokens x keys seen
   for (int64_t i = 0; i < n; ++i) {
     const int64_t start = sp[i * 4], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], table = sp[i * 4 + 3];
     TORCH_CHECK(start >= 0 && len > 0 && start + len <= T && first_pos >= 0 && table >= 0 && table < bt.size(0) &&
@@ -167,14 +138,26 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
         item_seq.push_back(i);
         item_head.push_back(h);
         item_j0.push_back(j0);
+        const int64_t j1 = std::min(len, j0 + kPrefillTileTokens);
+        cost_before.push_back(cost_before.back() + double(j1 - j0) * double(first_pos + j1 + kPanel));
       }
   }
   const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS, Hkv, D};
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(item_seq.size()), 1, [&](int64_t begin, int64_t end) {
+  // The threads take contiguous runs of items of equal cost, not of equal count: a causal tile's cost grows with
+  // its position, and an equal count left one of 2 threads a third more work on a 1,024-token prompt.
+  const int64_t num_parts = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(item_seq.size()));
+  const double total_cost = cost_before.back();
+  auto first_item = [&](int64_t part) {
+    if (part >= num_parts) return static_cast<int64_t>(item_seq.size());
+    const double target = total_cost * double(part) / double(num_parts);
+    return static_cast<int64_t>(std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) -
+                                cost_before.begin());
+  };
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     PrefillScratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = first_item(part_begin); item < first_item(part_end); ++item) {
       const int64_t i = item_seq[item], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], j0 = item_j0[item];
       prefill_tile(qp, op, cache, tp + sp[i * 4 + 3] * max_blocks, i, sp[i * 4], first_pos, first_pos + len, j0,
                    std::min(len, j0 + kPrefillTileTokens), item_head[item], Hq, static_cast<float>(scale), scratch);
