@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import DEFAULT_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.detokenizer import IncrementalDetokenizer
@@ -31,6 +31,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
 
 Prompt = str | Sequence[int]
+STEP_FAILED = "the step failed:"  # how the error of a request whose step's forward raised begins
 
 
 @dataclass
@@ -38,6 +39,7 @@ class StepResult:
     deltas: list[RequestDelta] = field(default_factory=list)  # one per request that got tokens or finished
     finished: list[RequestOutput] = field(default_factory=list)
     record: StepRecord = field(default_factory=StepRecord)
+    error: Exception | None = None  # the forward raised: the step's requests ended with this error
 
 
 class Engine:
@@ -82,7 +84,8 @@ class Engine:
         self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens
+            or DEFAULT_BATCHED_TOKENS.get(getattr(loaded.device, "type", str(loaded.device)), 2048),
             max_model_len=self.max_model_len,
             reserve=config.reserve,
             max_num_preemptions=config.max_num_preemptions,
@@ -206,15 +209,28 @@ class Engine:
 
     # --- the loop -----------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        """One iteration. A forward that raises (any Exception: out of memory, a kernel bug) costs only the
+        step's own requests: they end with ``finish_reason="error"`` and their blocks return to the pool, the
+        exception is kept in ``StepResult.error``, and the next step serves everyone else."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        result = StepResult(record=scheduler_output.record)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:
+            result.error = exc
+            self.stats.num_failed_steps += 1
+            now_s = self.clock()
+            message = f"{STEP_FAILED} {type(exc).__name__}: {exc}"
+            return self._report(result, self.scheduler.fail_step(scheduler_output, message, now_s), now_s)
         now_s = self.clock()
         touched = self.scheduler.update_from_output(scheduler_output, runner_output, now_s)
         for request_id, entries in runner_output.prompt_logprobs.items():
             request = self._requests[request_id]
             request.prompt_logprobs = (request.prompt_logprobs or []) + list(entries)
+        return self._report(result, touched, now_s)
 
-        result = StepResult(record=scheduler_output.record)
+    def _report(self, result: StepResult, touched: list[Request], now_s: float) -> StepResult:
+        """A delta for every request the step touched or that was aborted since the last one."""
         seen: set[str] = set()
         # `touched` includes requests the scheduler itself ended (preemption bound); aborts come from abort().
         for request in [*touched, *self._pending_finished]:
@@ -225,7 +241,7 @@ class Engine:
             if request.is_finished:
                 result.finished.append(self._finish(request))
         self._pending_finished.clear()
-        self.stats.add_step(scheduler_output.record, sum(len(d.new_token_ids) for d in result.deltas))
+        self.stats.add_step(result.record, sum(len(d.new_token_ids) for d in result.deltas))
         self.stats.num_finished += len(result.finished)
         return result
 

@@ -19,7 +19,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step; long prompts go in chunks of this (default 512 on CPU, 2048 on CUDA)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
     g.add_argument("--quantization", default=None, choices=["int8"])

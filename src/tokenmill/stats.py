@@ -26,6 +26,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_finished: int = 0
+    num_failed_steps: int = 0  # forwards that raised (their requests ended with an error)
     idle_rows_by_reason: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in IdleReason})
     records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -68,5 +69,6 @@ class EngineStats:
             "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,
             "num_finished": self.num_finished,
+            "num_failed_steps": self.num_failed_steps,
             "idle_rows_by_reason": dict(self.idle_rows_by_reason),
         }

@@ -24,7 +24,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, module: str = "tokenmill.server.launch"
+    ) -> None:
+        self.module = module  # run as `python -m module`; faulty_launch injects step failures
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = [*SMALL_ARGS, *args]
@@ -37,8 +40,13 @@ class ServerProcess:
 
     def launch(self) -> ServerProcess:
         """Start the process and return at once (the model loads meanwhile)."""
-        cmd = [sys.executable, "-m", "tokenmill.server.launch", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {
+            **self.env,
+            "PYTHONPATH": os.pathsep.join([here, self.env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         return self
 
     def wait_healthy(self, timeout_s: float = 180.0) -> ServerProcess:

@@ -223,7 +223,7 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     assert [e.token for e in entries] == [e.token for e in content]
 
 
-def test_vllm_extras_and_unknown_fields(client: openai.OpenAI, model: str) -> None:
+def test_vllm_extras_honoured_and_unknown_fields_refused(client: openai.OpenAI, model: str) -> None:
     got = client.completions.create(
         model=model,
         prompt=PROMPT,
@@ -236,10 +236,14 @@ def test_vllm_extras_and_unknown_fields(client: openai.OpenAI, model: str) -> No
         user="someone",
         extra_body={
             "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 6, "ignore_eos": True,
-            "stop_token_ids": [2], "skip_special_tokens": True, "no_such_field": {"x": 1},
+            "stop_token_ids": [2], "skip_special_tokens": True,
         },
     )  # fmt: skip
     assert got.usage.completion_tokens == 6
+    # a field tokenmill does not implement is refused by name, never silently ignored
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"no_such_field": 1})
+    assert info.value.body["param"] == "no_such_field"
 
 
 def test_raw_sse_framing(server: ServerProcess, model: str) -> None:

@@ -216,6 +216,8 @@ def test_queue_bound_counts_waiting_not_running() -> None:
         with pytest.raises(QueueFullError):
             await ae.submit([([10], params)])
         with pytest.raises(QueueFullError):
+            await ae.submit([([10], params)] * 2)
+        with pytest.raises(ValueError, match="could never be accepted"):  # more than the whole queue: a 400
             await ae.submit([([10], params)] * 3)
         for g in groups:
             g.abort()

@@ -30,10 +30,16 @@ def test_completion_prompt_shapes(prompt: object) -> None:
     assert req.max_tokens == 16
 
 
-def test_unknown_fields_are_ignored_and_nulls_mean_default() -> None:
-    req = CompletionRequest.model_validate(
-        {"prompt": "x", "tools": [], "frobnicate": 3, "temperature": None, "n": None, "stream": None}
-    )
+@pytest.mark.parametrize("field", ["tools", "response_format", "frobnicate"])
+def test_unknown_fields_are_refused_by_name(field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "x", field: 3})
+    param = validation_error_to_param(info.value)
+    assert param.param == field and "not permitted" in param.message
+
+
+def test_nulls_mean_default() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "temperature": None, "n": None, "stream": None})
     assert req.num_choices == 1
     params = to_sampling_params(req, max_tokens=4, logprobs=None)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.max_tokens == 4

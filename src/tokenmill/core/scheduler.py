@@ -248,6 +248,26 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in finished]
         return touched
 
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str, now_s: float) -> list[Request]:
+        """The step's forward failed: end each of its rows' requests with ``error`` (their blocks freed).
+
+        Requests the step did not schedule are untouched; the ones ``schedule()`` itself ended are returned
+        too, as from :meth:`update_from_output`, so that every request is still reported exactly once.
+        """
+        touched = [
+            ended
+            for rid in scheduler_output.finished_ids
+            if (ended := self._finished_in_schedule.pop(rid, None)) is not None
+        ]
+        for row in scheduler_output.rows:
+            request = row.request
+            if request.is_finished:  # aborted between schedule() and now
+                continue
+            request.error = error
+            self._end(request, RequestStatus.FINISHED_ABORTED, None, now_s)
+            touched.append(request)
+        return touched
+
     def _check_stop(self, request: Request) -> tuple[RequestStatus, int | None] | None:
         """Token stops first (EOS, stop_token_ids; none before min_tokens), then length."""
         params = request.sampling_params

@@ -1,7 +1,8 @@
 """The FastAPI app: ``build_app(async_engine, ...)`` wires routes, the API-key gate and OpenAI-shaped errors.
 
-Routes: POST /v1/completions and /v1/chat/completions (``routes_*.py``); GET /v1/models, /health, /metrics;
-POST /tokenize and /detokenize (vLLM's shapes). With an API key every route needs
+Routes: POST /v1/completions and /v1/chat/completions (``routes_*.py``); GET /v1/models, /v1/models/{id},
+/health, /metrics, /version; vLLM's POST /tokenize and /detokenize and GET /tokenizer_info. CORS only when
+configured (``--allowed-origins``). ``/openapi.json`` carries each POST's request model. With an API key every route needs
 ``Authorization: Bearer <key>`` except the allow-list (/health, /metrics): the check is an ASGI middleware
 in front of the router, so a route added later is covered without anyone remembering to.
 Handlers never touch the Engine: they go through :class:`~tokenmill.server.async_engine.AsyncEngine`.
@@ -15,23 +16,30 @@ import hmac
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import tokenmill
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.common import (
+    BODY_MODELS,
     ApiError,
     ServerState,
     check_model,
     get_state,
     parse_body,
     read_json_body,
+    request_body,
     unavailable,
 )
 from tokenmill.server.protocol import (
@@ -55,8 +63,15 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    body_timeout_s: float = 30.0,
+    cors: dict[str, Any] | None = None,
+    max_header_bytes: int | None = None,
 ) -> FastAPI:
-    """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left)."""
+    """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
+
+    ``cors``: keyword arguments of Starlette's CORSMiddleware (``allow_origins`` ...), or None for no CORS.
+    """
     from tokenmill.server import routes_chat, routes_completions
 
     state = ServerState(
@@ -64,6 +79,7 @@ def build_app(
         served_model_name=served_model_name or async_engine.model_name,
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
     )
 
     @asynccontextmanager
@@ -80,7 +96,47 @@ def build_app(
     _add_error_handlers(app)
     if state.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, open_paths=OPEN_PATHS)
+    if max_header_bytes is not None:
+        app.add_middleware(HeaderLimitMiddleware, max_header_bytes=max_header_bytes)
+    if cors is not None:  # outermost: a preflight carries no API key, and every answer needs the CORS headers
+        app.add_middleware(CORSMiddleware, **cors)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the request models the routes name with :func:`request_body`."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    _, defs = models_json_schema(
+        [(m, "validation") for m in BODY_MODELS.values()], ref_template="#/components/schemas/{model}"
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    app.openapi_schema = schema
+    return schema
+
+
+class HeaderLimitMiddleware:
+    """431 for a request whose headers (names and values) add up to more than ``max_header_bytes``.
+
+    h11 bounds headers that arrive in pieces (``http_protocol``); a block that arrives whole is checked here.
+    """
+
+    def __init__(self, app: ASGIApp, max_header_bytes: int) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(name) + len(value) for name, value in scope.get("headers", ()))
+            if size > self.max_header_bytes:
+                error = ApiError(
+                    431, f"the request headers exceed {self.max_header_bytes} bytes", code="headers_too_large"
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:
@@ -131,17 +187,54 @@ def _add_misc_routes(app: FastAPI) -> None:
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        state = get_state(request)
-        card = ModelCard(
+    def model_card(state: ServerState) -> ModelCard:
+        return ModelCard(
             id=state.served_model_name,
             root=state.async_engine.model_name,
             max_model_len=state.async_engine.max_model_len,
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/tokenize")
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return JSONResponse(ModelList(data=[model_card(get_state(request))]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        state = get_state(request)
+        check_model(state, model_id)
+        return JSONResponse(model_card(state).model_dump())
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": tokenmill.__version__})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """vLLM's tokenizer description (what lm-eval's ``tokenizer_backend=remote`` reads)."""
+        state = get_state(request)
+        tokenizer = state.async_engine.tokenizer
+        eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()))
+        bos_id = getattr(tokenizer, "bos_token_id", None)
+
+        def token(token_id: int | None) -> str | None:
+            return None if token_id is None else str(tokenizer.id_to_token(token_id))
+
+        return JSONResponse(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": state.async_engine.max_model_len,
+                "vocab_size": tokenizer.vocab_size,
+                "bos_token": token(bos_id),
+                "bos_token_id": bos_id,
+                "eos_token": token(eos_ids[0]) if eos_ids else None,
+                "eos_token_id": eos_ids[0] if eos_ids else None,
+                "eos_token_ids": eos_ids,
+                "pad_token": None,
+                "chat_template": getattr(tokenizer, "chat_template", None),
+            }
+        )
+
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         from tokenmill.server.protocol import ChatCompletionRequest
         from tokenmill.server.routes_chat import encode_messages
@@ -175,7 +268,7 @@ def _add_misc_routes(app: FastAPI) -> None:
         )
         return JSONResponse(body.model_dump(exclude_none=True))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         state = get_state(request)
         req = parse_body(DetokenizeRequest, await read_json_body(request, state.max_body_bytes))

@@ -16,8 +16,12 @@ HTTP request (n choices = n engine requests, one :class:`RequestGroup`):
    forgotten, so anything later for that id is dropped. A disconnecting client calls
    :meth:`RequestGroup.abort`, which the thread turns into ``engine.abort`` before its next step (the
    engine frees the blocks at once and reports the final delta from that step).
-6. If ``engine.step`` raises, the loop is dead: every live request ends with ``finish_reason="error"``,
-   ``alive`` turns False (``/health`` answers 503) and ``submit`` raises :class:`EngineDeadError`.
+6. A step whose forward fails ends only that step's requests (with ``finish_reason="error"``, their blocks
+   back in the pool: ``Engine.step``) and the loop goes on. ``max_consecutive_failures`` failed steps in a
+   row, or ``engine.step`` raising (a broken invariant), mean the engine is broken: every live request ends
+   with ``finish_reason="error"``, ``alive`` turns False (``/health`` answers 503), ``submit`` raises
+   :class:`EngineDeadError`, and ``on_dead`` is called (the server exits non-zero so a supervisor restarts
+   it). A submit racing with the thread's end is answered too: commands sent after it closed are refused.
 
 The bounded queue: ``max_queue`` bounds the engine requests that are accepted but not running, i.e.
 ``num_in_flight - num_running`` with ``num_running`` as of the engine's last step (requests still in the
@@ -46,6 +50,11 @@ from tokenmill.server.metrics import EngineSnapshot, RequestEvent, ServerMetrics
 logger = logging.getLogger("tokenmill.server")
 
 IDLE_POLL_S = 1.0  # how long the idle engine thread sleeps before looking at its queue again
+MAX_CONSECUTIVE_FAILURES = 3  # failed steps in a row after which the engine counts as broken
+
+
+class EngineBrokenError(RuntimeError):
+    """Too many steps in a row failed."""
 
 
 class QueueFullError(Exception):
@@ -163,9 +172,17 @@ class AsyncEngine:
         max_queue: int = 256,
         metrics: ServerMetrics | None = None,
         idle_poll_s: float = IDLE_POLL_S,
+        max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue}")
+        if max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be positive, got {max_consecutive_failures}")
+        self.max_consecutive_failures = max_consecutive_failures
+        self.on_dead = on_dead  # called once, on the engine thread, when the loop dies
+        self.num_failed_steps = 0  # every failed step, for the record
+        self._failures_in_a_row = 0
         self._engine = engine  # the engine thread's alone
         # Read-only facts the handlers may use without crossing into the engine thread.
         self.tokenizer = engine.tokenizer
@@ -182,6 +199,7 @@ class AsyncEngine:
         self._counters = _Counters()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self._closed = False  # the thread has finished: nothing sent now would be read (guarded by _lock)
         self._stopping = False
         self._draining = False
         self._error: BaseException | None = None
@@ -242,6 +260,11 @@ class AsyncEngine:
         """
         if not prompts:
             raise ValueError("nothing to submit")
+        if len(prompts) > self.max_queue:  # a 429 would be retried forever: it can never be queued
+            raise ValueError(
+                f"n: the request needs {len(prompts)} engine requests (n x prompts) and the server queues at "
+                f"most {self.max_queue} (--max-queue); it could never be accepted"
+            )
         if self._draining:
             raise DrainingError("the server is shutting down")
         if not self.alive:
@@ -264,7 +287,10 @@ class AsyncEngine:
             request_id = f"req-{self._next_id}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(self, ids, asyncio.get_running_loop())
-        self._send(_Add(group, [(list(p), sp) for p, sp in prompts], arrival_s))
+        if not self._send(_Add(group, [(list(p), sp) for p, sp in prompts], arrival_s)):
+            with self._lock:
+                self._counters.num_in_flight -= len(prompts)
+            raise EngineDeadError(self.dead_message())
         try:
             await asyncio.shield(group.accepted)
         except asyncio.CancelledError:
@@ -272,9 +298,14 @@ class AsyncEngine:
             raise
         return group
 
-    def _send(self, command: _Add | _Abort | _AbortAll | _Stop) -> None:
-        self._commands.put(command)
+    def _send(self, command: _Add | _Abort | _AbortAll | _Stop) -> bool:
+        """Queue a command for the engine thread; False when the thread has finished and will not read it."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._commands.put(command)
         self._wakeup.set()
+        return True
 
     def dead_message(self) -> str:
         if self._error is not None:
@@ -293,6 +324,11 @@ class AsyncEngine:
                     result = engine.step()
                     self._dispatch(result.deltas, result.record)
                     busy = True
+                    error = getattr(result, "error", None)
+                    if error is not None:
+                        self._on_failed_step(error)
+                    else:
+                        self._failures_in_a_row = 0
                     continue
                 if busy:
                     engine.check_integrity()  # the pool must be whole whenever nothing runs
@@ -306,9 +342,27 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._error = exc
             self._fail_all(f"the engine loop has died: {type(exc).__name__}: {exc}")
-            self._fail_pending_commands()
         finally:
+            with self._lock:
+                self._closed = True
+            self._fail_pending_commands()
             self._publish(alive=False)
+        if self._error is not None and self.on_dead is not None:
+            self.on_dead(self._error)
+
+    def _on_failed_step(self, error: Exception) -> None:
+        self.num_failed_steps += 1
+        self._failures_in_a_row += 1
+        logger.error(
+            "step failed (%d in a row, bound %d): its requests ended with an error",
+            self._failures_in_a_row,
+            self.max_consecutive_failures,
+            exc_info=error,
+        )
+        if self._failures_in_a_row >= self.max_consecutive_failures:
+            raise EngineBrokenError(
+                f"{self._failures_in_a_row} steps in a row failed; last: {type(error).__name__}: {error}"
+            ) from error
 
     def _drain_commands(self) -> bool:
         """Apply queued commands; True when the thread should exit now (stopped with nothing left)."""
@@ -431,7 +485,12 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 with self._lock:
                     self._counters.num_in_flight -= len(command.group.request_ids)
-                self._call(command.group, command.group._resolve, EngineDeadError(self.dead_message()))
+                error: Exception = (
+                    EngineDeadError(self.dead_message())
+                    if self._error is not None
+                    else DrainingError("the server is shutting down")
+                )
+                self._call(command.group, command.group._resolve, error)
 
     def _call(self, group: RequestGroup, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from tokenmill.engine import STEP_FAILED
 from tokenmill.outputs import RequestDelta
 from tokenmill.server.async_engine import (
     AsyncEngine,
@@ -36,6 +38,7 @@ class ServerState:
     served_model_name: str
     api_key: str | None
     max_body_bytes: int
+    body_timeout_s: float = 30.0
 
 
 def get_state(request: Request) -> ServerState:
@@ -101,25 +104,64 @@ def context_length_error(max_model_len: int, num_prompt_tokens: int, num_complet
     )
 
 
-async def read_json_body(request: Request, max_body_bytes: int) -> Any:
-    """The request's JSON body; 413 past ``max_body_bytes`` (checked as bytes arrive), 400 if not JSON."""
+async def read_json_body(request: Request, max_body_bytes: int, timeout_s: float | None = None) -> Any:
+    """The request's JSON body; 413 past ``max_body_bytes`` (checked as bytes arrive), 408 when it has not
+    all arrived within ``timeout_s`` (the app's body timeout by default), 400 if not JSON."""
+    if timeout_s is None:
+        timeout_s = get_state(request).body_timeout_s
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise _too_large(max_body_bytes)
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise _too_large(max_body_bytes)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise _too_large(max_body_bytes)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError.bad_request("the client disconnected while sending the body") from None
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None  # fmt: skip
+    return await run_in_threadpool(parse_json, b"".join(chunks))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+MAX_JSON_DEPTH = 64  # nesting deeper than any OpenAI request needs (tool schemas included)
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: a 400 for anything malformed, at any depth or size (never a RecursionError's 500)."""
     try:
-        return json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError.bad_request("the body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity, integers past Python's digit limit
         raise ApiError.bad_request(f"the body is not valid JSON: {exc}") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise ApiError.bad_request(f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+    return body
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, iteratively (no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item if isinstance(child, dict | list))
+    return deepest
 
 
 def _too_large(max_body_bytes: int) -> ApiError:
@@ -135,6 +177,18 @@ def parse_body(model: type[ModelT], body: Any) -> ModelT:
         return model.model_validate(body)
     except ValidationError as exc:
         raise ApiError.from_param_error(validation_error_to_param(exc)) from None
+
+
+# Request models by name, for /openapi.json: the routes parse their own JSON (for OpenAI-shaped errors and
+# the bounded reader), so FastAPI cannot see their bodies; request_body() names them.
+BODY_MODELS: dict[str, type[BaseModel]] = {}
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that parses its own JSON body: the pydantic model as its request body."""
+    BODY_MODELS[model.__name__] = model
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -157,7 +211,11 @@ async def submit(state: ServerState, prompts: list[tuple[list[int], Any]], reque
         raise ApiError.from_param_error(exc) from None
     except ValueError as exc:
         message = str(exc)
-        param = next((name for name in ("prompt", "stop_token_ids") if message.startswith(name)), None)
+        param = next(
+            (name for name in ("prompt", "stop_token_ids", "logit_bias") if message.startswith(name)), None
+        )
+        if param is None and message.startswith("n: "):
+            param = "n"
         if param is None and message.startswith("request "):  # the scheduler: it could never fit
             param = "max_tokens"
         raise ApiError.bad_request(message, param=param) from None
@@ -167,14 +225,17 @@ def stream_failure(async_engine: AsyncEngine, group: RequestGroup, delta: Reques
     """The error a terminal delta stands for, or None when it ended normally (or the client left).
 
     ``finish_reason="error"`` is the engine giving up on a request under load (preempted too often): 429,
-    like a full queue, unless the whole loop died (503). An ``"abort"`` the client did not ask for is the
-    server shutting down: 503. Neither is a 500, which clients would retry at once.
+    like a full queue, unless the whole loop died (503) or the step it ran in failed (500: the server's
+    fault, and the next request may well succeed). An ``"abort"`` the client did not ask for is the server
+    shutting down: 503.
     """
     if not delta.finished:
         return None
     if delta.finish_reason == "error":
         if not async_engine.alive:
             return unavailable(delta.error or "the engine loop has died")
+        if delta.error is not None and delta.error.startswith(STEP_FAILED):
+            return ApiError(500, delta.error, type="server_error", code="step_failed")
         return overloaded(
             delta.error or "the server could not finish the request under this load", "overloaded"
         )

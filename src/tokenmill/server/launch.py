@@ -8,6 +8,10 @@ Shutdown, on the first SIGTERM or SIGINT:
    a stream, a 503 otherwise);
 4. the lifespan stops the engine thread and the process exits 0.
 
+A step whose forward fails costs only its own requests. When ``--max-consecutive-step-failures`` steps fail in
+a row, the engine counts as broken: ``/health`` answers 503, the server shuts down the same way and the process
+exits with status 3, for a supervisor to restart it.
+
 A second signal skips the wait and aborts at once. ``python -m tokenmill.server.launch`` takes the same
 flags as ``tokenmill serve``.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -51,11 +56,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine requests that may wait (accepted, not yet admitted to the batch) before new ones get 429",
     )
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-header-bytes", type=int, default=64 << 10, help="larger request headers get 431")
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers before it is closed",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request has to send its whole body before it gets 408",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections beyond this get 503 (uvicorn's limit_concurrency)",
+    )
+    s.add_argument(
+        "--allowed-origins", default=None, help="CORS: JSON list of origins, e.g. '[\"*\"]' (off by default)"
+    )
+    s.add_argument("--allowed-methods", default='["*"]', help="CORS: JSON list of methods")
+    s.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of request headers")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    s.add_argument(
+        "--max-consecutive-step-failures",
+        type=int,
+        default=3,
+        help="failed steps in a row after which /health turns 503 and the process exits with status 3",
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
@@ -71,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine import Engine
     from tokenmill.server.app import build_app
     from tokenmill.server.async_engine import AsyncEngine
+    from tokenmill.server.http_protocol import protocol_class
     from tokenmill.server.metrics import ServerMetrics
 
     logging.basicConfig(
@@ -78,8 +115,22 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be a positive integer, got {args.max_queue}")
-    if args.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be a positive integer, got {args.max_body_bytes}")
+    for flag in ("max_body_bytes", "max_header_bytes", "max_connections", "max_consecutive_step_failures"):
+        if getattr(args, flag) < 1:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
+            )
+    for flag in ("header_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    cors = None
+    if args.allowed_origins is not None:
+        cors = {
+            "allow_origins": _json_list("--allowed-origins", args.allowed_origins),
+            "allow_methods": _json_list("--allowed-methods", args.allowed_methods),
+            "allow_headers": _json_list("--allowed-headers", args.allowed_headers),
+            "allow_credentials": args.allow_credentials,
+        }
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
 
     engine = Engine(engine_config_from_args(args))
@@ -88,8 +139,21 @@ def run_serve(args: argparse.Namespace) -> int:
     info = system_info.collect()
     metrics.set_build_info(info)
     logger.info("%s", system_info.one_line(info))
-    async_engine = AsyncEngine(engine, max_queue=args.max_queue, metrics=metrics)
-    app = build_app(async_engine, served_name, api_key, args.max_body_bytes)
+    async_engine = AsyncEngine(
+        engine,
+        max_queue=args.max_queue,
+        metrics=metrics,
+        max_consecutive_failures=args.max_consecutive_step_failures,
+    )
+    app = build_app(
+        async_engine,
+        served_name,
+        api_key,
+        args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        cors=cors,
+        max_header_bytes=args.max_header_bytes,
+    )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",
         served_name, args.host, args.port, engine.max_model_len, engine.num_total_blocks,
@@ -103,13 +167,29 @@ def run_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         lifespan="on",
         timeout_graceful_shutdown=max(1, int(args.shutdown_timeout) + 5),
+        http=protocol_class(args.header_timeout),
+        h11_max_incomplete_event_size=args.max_header_bytes,
+        limit_concurrency=args.max_connections,
     )
     server = _make_server(config)
     try:
         asyncio.run(_serve(server, async_engine, args.shutdown_timeout))
     finally:
         async_engine.stop()
+    if async_engine.error is not None:
+        logger.error("exiting with status 3: the engine is broken (%s)", async_engine.dead_message())
+        return 3
     return 0 if server.started else 1
+
+
+def _json_list(flag: str, value: str) -> list[str]:
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} must be a JSON list of strings: {exc}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"{flag} must be a JSON list of strings, got {value!r}")
+    return items
 
 
 def _make_server(config: Any) -> Any:
@@ -141,6 +221,15 @@ async def _serve(server: Any, async_engine: Any, shutdown_timeout_s: float) -> N
             logger.warning("%s again: aborting everything in flight", signal.Signals(signum).name)
             async_engine.abort_all("second signal")
 
+    def on_dead(error: BaseException) -> None:  # the engine thread: hand over to the loop
+        def shut_down() -> None:
+            logger.error("the engine is broken; shutting the server down so that a supervisor restarts it")
+            server.should_exit = True
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
+            loop.call_soon_threadsafe(shut_down)
+
+    async_engine.on_dead = on_dead
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await server.serve()

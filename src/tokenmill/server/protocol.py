@@ -1,7 +1,8 @@
 """The OpenAI wire protocol as pydantic models: requests in, responses and stream chunks out.
 
-Requests accept unknown fields and ignore them (clients send fields we do not implement, such as ``tools``
-or ``response_format``); every known field may be ``null``, which means "the default". Range checks live in
+Requests are strict: a field tokenmill does not implement (``tools``, ``response_format``, a typo) is a 400
+naming it, never silently ignored, and JSON types are not coerced (``"stream": "yes"`` and ``"n": "2"`` are
+400s). Every known field may be ``null``, which means "the default". Range checks live in
 :class:`~tokenmill.sampling_params.SamplingParams`, so one place decides what a valid temperature is;
 :func:`to_sampling_params` maps a request onto it and re-raises its ``ValueError`` as a
 :class:`ParamError` naming the request field a client sent.
@@ -12,11 +13,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
 MAX_N = 128  # choices per request: each is its own engine request
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound. Each is checked against the text at every token.
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ParamError(ValueError):
@@ -33,7 +38,7 @@ class ParamError(ValueError):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -65,6 +70,20 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
 
+    def check_stops(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ParamError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in stops):
+            raise ParamError(
+                f"stop: each stop string is at most {MAX_STOP_STRING_CHARS} characters", param="stop"
+            )
+        if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+            raise ParamError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids or [])}",
+                param="stop_token_ids",
+            )
+
     @property
     def num_choices(self) -> int:
         n = 1 if self.n is None else self.n
@@ -87,9 +106,15 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_only_null_for_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # OpenAI: only an assistant turn may omit it
+            raise ValueError(f"content is required for a {self.role} message (null only for assistant)")
+        return self
 
     def text(self) -> str:
         """The message's content as one string (text parts joined); ParamError for non-text parts."""
@@ -339,6 +364,7 @@ def to_sampling_params(
     chat: bool = False,
 ) -> SamplingParams:
     """The SamplingParams for one choice; ParamError (naming the request field) for an invalid value."""
+    req.check_stops()
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]

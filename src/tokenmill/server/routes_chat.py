@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,6 +25,7 @@ from tokenmill.server.common import (
     get_state,
     parse_body,
     read_json_body,
+    request_body,
     sse,
     stream_failure,
     submit,
@@ -63,14 +65,14 @@ def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]
     return list(token_ids)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(ChatCompletionRequest, await read_json_body(request, state.max_body_bytes))
     check_model(state, req.model)
     max_model_len = state.async_engine.max_model_len
     try:
-        prompt_ids = encode_messages(state, req)
+        prompt_ids = await run_in_threadpool(encode_messages, state, req)  # the template off the event loop
         n = req.num_choices
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -27,6 +28,7 @@ from tokenmill.server.common import (
     get_state,
     parse_body,
     read_json_body,
+    request_body,
     sse,
     stream_failure,
     submit,
@@ -52,13 +54,13 @@ class _Prompt:
     token_ids: list[int]
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(CompletionRequest, await read_json_body(request, state.max_body_bytes))
     check_model(state, req.model)
     try:
-        prompts = _prompts(req, state)
+        prompts = await run_in_threadpool(_prompts, req, state)  # tokenizing off the event loop
         n = req.num_choices
         if req.suffix:
             raise ParamError("suffix is not supported", param="suffix")

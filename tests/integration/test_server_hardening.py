@@ -1,0 +1,220 @@
+"""The server as an attacker and as common clients meet it: a bad-input table (every case a 4xx in OpenAI's
+shape naming its ``param``, and the server still answering), slow and oversized clients, the routes clients
+look for (the SDK's ``models.retrieve``, ``/version``, vLLM's ``/tokenizer_info``), CORS, and an OpenAPI schema
+that carries the request bodies."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from serverproc import ServerProcess
+
+ORIGIN = "https://app.example"
+M = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        "--max-queue", "4", "--header-timeout", "1", "--body-timeout", "1", "--max-header-bytes", "16384",
+        "--allowed-origins", json.dumps([ORIGIN]),
+    ).start()  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def _still_serves(server: ServerProcess) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+DEEP = b"[" * 10_000 + b"]" * 10_000
+# (path, body: a dict or raw bytes, status, param)
+BAD: list[tuple[str, Any, int, str | None]] = [
+    (C, DEEP, 400, None),  # RecursionError before
+    (C, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),  # 5,000-digit integer
+    (C, b'{"prompt": "x", "temperature": NaN}', 400, None),
+    (C, b'{"prompt": "x"', 400, None),
+    (C, b"\xff\xfe{}", 400, None),
+    (C, b"[1, 2]", 400, None),
+    (C, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    (C, {"prompt": "x", "n": "2"}, 400, "n"),
+    (C, {"prompt": "x", "echo": 1}, 400, "echo"),
+    (C, {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    (C, {"prompt": "x", "tools": []}, 400, "tools"),
+    (C, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (C, {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    (C, {}, 400, "prompt"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": [[]]}, 400, "prompt"),
+    (C, {"prompt": [10**9]}, 400, "prompt"),
+    (C, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (C, {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    (C, {"prompt": "x", "min_p": 2}, 400, "min_p"),
+    (C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    (C, {"prompt": "x", "n": 0}, 400, "n"),
+    (C, {"prompt": "x", "n": 5}, 400, "n"),  # more choices than --max-queue: could never be queued
+    (C, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    (C, {"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
+    (C, {"prompt": "x", "stop": "s" * 513}, 400, "stop"),
+    (C, {"prompt": "x", "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
+    (C, {"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    (C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    (C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    (C, {"prompt": "x", "max_tokens": 100_000}, 400, "messages"),
+    (C, {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    (CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    (CH, {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
+    (CH, {"messages": [{"role": "user"}]}, 400, "messages.0"),
+    (CH, {"messages": []}, 400, "messages"),
+    (CH, {"messages": "hi"}, 400, "messages"),
+    (
+        CH,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages",
+    ),
+    (CH, {"messages": M, "stream": "yes"}, 400, "stream"),
+    (CH, {"messages": M, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CH, {"messages": M, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CH, {"messages": M, "logprobs": "true"}, 400, "logprobs"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_input_is_an_openai_shaped_4xx(
+    server: ServerProcess, path: str, body: Any, status: int, param: str | None
+) -> None:
+    url = f"{server.base_url}{path}"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+def test_server_answers_after_every_bad_input(server: ServerProcess) -> None:
+    assert len(BAD) >= 40
+    for path, body, _, _ in BAD:
+        kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
+        assert httpx.post(f"{server.base_url}{path}", timeout=60, **kwargs).status_code < 500
+    _still_serves(server)
+    assert "Traceback" not in server.output()
+
+
+def _held_open(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(4096) != b"" and True
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def test_slow_clients_are_closed_after_the_timeouts(server: ServerProcess) -> None:
+    socks = []
+    for i in range(60):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        if i % 2:  # headers never finished
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        else:  # a body declared and never sent
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+        socks.append(s)
+    time.sleep(2.5)  # past both 1 s timeouts
+    answers = []
+    for s in socks:
+        s.settimeout(2)
+        try:
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            answers.append(data)
+        except TimeoutError:
+            answers.append(None)  # still open: a failure
+        finally:
+            s.close()
+    assert all(a is not None for a in answers), "some slow connections are still open"
+    assert all(b" 408 " in a for a in answers[0::2]), answers[0]  # the body timeout answers 408
+    _still_serves(server)
+
+
+def test_oversized_headers_get_431(server: ServerProcess) -> None:
+    r = httpx.get(f"{server.base_url}/v1/models", headers={"X-Big": "a" * 100_000}, timeout=30)
+    assert r.status_code == 431
+    assert r.json()["error"]["message"]
+    _still_serves(server)
+
+
+def test_sdk_models_retrieve_version_and_tokenizer_info(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    card = client.models.retrieve(name)
+    assert card.id == name and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    info = httpx.get(f"{server.base_url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 512
+    assert "im_start" in info["chat_template"]
+
+
+def test_cors_preflight_allowed_and_refused_origins(server: ServerProcess) -> None:
+    url = f"{server.base_url}/v1/chat/completions"
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    ok = httpx.options(url, headers={"Origin": ORIGIN, **ask})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == ORIGIN
+    refused = httpx.options(url, headers={"Origin": "https://evil.example", **ask})
+    assert refused.status_code == 400
+    assert "access-control-allow-origin" not in refused.headers
+    simple = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": ORIGIN})
+    assert simple.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_openapi_describes_the_request_bodies(server: ServerProcess) -> None:
+    schema = httpx.get(f"{server.base_url}/openapi.json").json()
+    schemas = schema["components"]["schemas"]
+    for path, model in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/tokenize", "TokenizeRequest"),
+        ("/detokenize", "DetokenizeRequest"),
+    ]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert model in schemas
+    assert "prompt" in schemas["CompletionRequest"]["properties"]
+    assert "ChatMessage" in schemas  # nested models resolve too
+
+
+def test_sampling_fields_change_the_output_as_specified(server: ServerProcess) -> None:
+    url = f"{server.base_url}/v1/completions"
+    base = {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True}
+    token = httpx.post(f"{server.base_url}/tokenize", json={"prompt": " banana"}).json()["tokens"][-1]
+    biased = httpx.post(
+        url, json={**base, "temperature": 1.0, "seed": 3, "logit_bias": {str(token): 100}, "logprobs": 0}
+    ).json()
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [token] * 6}).json()["prompt"]
+    assert biased["choices"][0]["text"] == text  # +100 on one token: it is every token
+    greedy = httpx.post(url, json={**base, "temperature": 0}).json()["choices"][0]["text"]
+    for seed in (1, 2):  # top_k=1 leaves one candidate whatever the temperature and the seed
+        top1 = httpx.post(url, json={**base, "temperature": 1.5, "top_k": 1, "seed": seed}).json()
+        assert top1["choices"][0]["text"] == greedy
