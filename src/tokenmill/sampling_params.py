@@ -16,7 +16,7 @@ class SamplingParams:
     Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` naming the field.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt is prefilled and scored (prompt_logprobs), nothing sampled
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means no top-k filter
@@ -41,7 +41,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=0)
         _check_float("temperature", self.temperature, lo=0.0)
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:

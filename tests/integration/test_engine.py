@@ -223,3 +223,21 @@ def test_pool_sized_from_a_memory_budget(embedded_loaded):
     assert capped.num_total_blocks == 2 * 256 // 16
     with pytest.raises(ValueError, match="holds no block"):
         Engine(loaded=embedded_loaded, device="cpu", kv_cache_memory_bytes=per_block - 1)
+
+
+def test_prompt_logprobs_complete_after_preemption(make_engine):
+    """Chunked prefills under a tight pool: a request preempted (mid-prefill or later) still gets one entry per
+    prompt token, equal to the unpreempted engine's."""
+    prompts = [[200 + 3 * i + j for j in range(8 + 5 * i)] for i in range(8)]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, prompt_logprobs=1) for i in range(8)]
+    free = make_engine(num_kv_blocks=256).generate(prompts, params)
+    tight_engine = make_engine(block_size=8, num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=8)
+    tight = tight_engine.generate(prompts, params)
+    preempted = [o for o in tight if o.metrics.num_preemptions > 0]
+    assert preempted, "the pool was meant to force preemptions"
+    for want, got, prompt in zip(free, tight, prompts, strict=True):
+        assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(prompt)
+        assert got.prompt_logprobs[0] is None
+        for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+            assert b.token_id == a.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-4)
+    assert tight_engine.num_free_blocks == tight_engine.num_total_blocks

@@ -218,3 +218,22 @@ def test_sampling_fields_change_the_output_as_specified(server: ServerProcess) -
     for seed in (1, 2):  # top_k=1 leaves one candidate whatever the temperature and the seed
         top1 = httpx.post(url, json={**base, "temperature": 1.5, "top_k": 1, "seed": seed}).json()
         assert top1["choices"][0]["text"] == greedy
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server: ServerProcess) -> None:
+    """How lm-eval scores a prompt: echo, max_tokens=0, logprobs; the same entries as with a token sampled."""
+    url = f"{server.base_url}/v1/completions"
+    prompt = "The capital of France is Paris"
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = httpx.post(url, json={**body, "max_tokens": 0}).json()
+    choice = scored["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0
+    num_prompt_tokens = scored["usage"]["prompt_tokens"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == num_prompt_tokens
+    assert lp["token_logprobs"][0] is None and all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    with_token = httpx.post(url, json={**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+    assert with_token["token_logprobs"][:num_prompt_tokens] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": M, "max_tokens": 0})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"

@@ -590,3 +590,31 @@ def test_kv_reserved_when_reservations_hold_unused_blocks() -> None:
     assert out.record.batch_size == 6
     assert out.record.idle_rows == {IdleReason.KV_RESERVED: 2}
     assert sched.kv.num_reserved_unused_blocks == 2 and sched.kv.usage == 1.0
+
+
+def test_failed_step_ends_its_rows_and_still_reports_requests_ended_in_schedule() -> None:
+    requests = [make_request(f"q{i}", 2 + i % 5, 8 + i, ignore_eos=True) for i in range(12)]
+    sched = make_scheduler(block_size=2, num_blocks=12, max_num_seqs=6, max_num_preemptions=1)
+    for r in requests:
+        sched.add_request(r)
+    runner, reported = FakeRunner(block_size=2), []
+    failed_once = False
+    for now in range(1, 500):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        if out.finished_ids and not failed_once:  # the forward of a step that also ended requests fails
+            failed_once = True
+            touched = sched.fail_step(out, "the step failed: boom", float(now))
+            rows = {row.request.request_id for row in out.rows}
+            assert {r.request_id for r in touched} == rows | set(out.finished_ids)
+            for row in out.rows:
+                assert row.request.finish_reason == "error" and row.request.error == "the step failed: boom"
+                assert row.request.block_ids == []
+        else:
+            touched = sched.update_from_output(out, runner.execute(out), float(now))
+        sched.check_integrity()
+        reported += [r.request_id for r in touched if r.is_finished]
+    assert failed_once, "the workload was meant to hit the preemption bound"
+    assert sorted(reported) == sorted(r.request_id for r in requests)  # every request ends exactly once
+    assert sched.kv.num_free_blocks == 12

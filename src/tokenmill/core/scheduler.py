@@ -181,7 +181,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start:end] if not is_decode else [request.output_token_ids[-1]],
             start_position=start,
             block_ids=list(request.block_ids),
-            sample=end == request.num_tokens,
+            sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
             is_prefill=not is_decode,
         )
 
@@ -231,6 +231,13 @@ class Scheduler:
                 raise RuntimeError(f"request {request.request_id!r} changed under a scheduled row")
             request.num_computed_tokens += row.num_new_tokens
             if not row.sample:
+                if (
+                    request.sampling_params.max_tokens == 0
+                    and request.num_computed_tokens == request.num_tokens
+                ):
+                    self._end(request, RequestStatus.FINISHED_LENGTH, None, now_s, remove_running=False)
+                    finished.add(request.request_id)  # scored, nothing to sample (echo with max_tokens=0)
+                    touched.append(request)
                 continue
             sampled = runner_output.sampled.get(request.request_id)
             if sampled is None:

@@ -77,6 +77,9 @@ async def create_chat_completion(request: Request) -> Response:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(max_model_len - len(prompt_ids), 1)
+        if max_tokens < 1:  # a prompt-only score is the completions route's echo
+            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise ParamError(f"{param} must be at least 1, got {max_tokens}", param=param)
         if max_tokens >= 1 and len(prompt_ids) + max_tokens > max_model_len:
             raise context_length_error(max_model_len, len(prompt_ids), max_tokens)
         top_logprobs = req.top_logprobs

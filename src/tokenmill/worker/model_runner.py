@@ -64,15 +64,20 @@ class ModelRunner:
         for i, row in enumerate(rows):
             request = row.request
             k = request.sampling_params.prompt_logprobs
-            if k is None or not row.is_prefill or request.num_preemptions > 0:
+            if k is None or not row.is_prefill:
                 continue
-            # Prompt positions covered by this row; position p's logits score prompt token p + 1.
-            first, end = row.start_position, min(row.seq_len, request.num_prompt_tokens - 1)
-            entries: list[Logprob | None] = [None] if first == 0 else []
+            # Prompt positions covered by this row; position p's logits score prompt token p + 1. Entries
+            # already stored (index p + 1 for position p) are not computed again: a request preempted and
+            # recomputing its prompt gets each entry exactly once.
+            num_stored = len(request.prompt_logprobs or [])
+            first = max(row.start_position, num_stored - 1)
+            end = min(row.seq_len, request.num_prompt_tokens - 1)
+            entries: list[Logprob | None] = [None] if first == 0 and num_stored == 0 else []
             if end > first:
-                start = query_start_loc[i]
+                start = query_start_loc[i] + (first - row.start_position)
                 logits = self.model.compute_logits(hidden[start : start + (end - first)])  # [n, V]
                 targets = torch.tensor(request.prompt_token_ids[first + 1 : end + 1], device=self.device)
                 entries.extend(compute_prompt_logprobs(logits, targets, k))
-            output.prompt_logprobs[row.request_id] = entries
+            if entries:
+                output.prompt_logprobs[row.request_id] = entries
         return output
