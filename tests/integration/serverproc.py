@@ -17,6 +17,15 @@ SMALL_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "256", "--log-level",
 _SAMPLE = re.compile(r"^(\S+?)(\{.*\})? (\S+)$")
 
 
+def _model_name_first(labels: str | None) -> str:
+    """``{k="v",...}`` with model_name first, the others in their order (prometheus_client sorts them)."""
+    if not labels:
+        return ""
+    pairs = re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels)
+    pairs.sort(key=lambda kv: kv[0] != "model_name")
+    return "{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -77,7 +86,7 @@ class ServerProcess:
                 continue
             m = _SAMPLE.match(line)
             assert m, line
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3).replace("+Inf", "inf"))
+            out[m.group(1) + _model_name_first(m.group(2))] = float(m.group(3).replace("+Inf", "inf"))
         return out
 
     def metric(self, name: str) -> float:

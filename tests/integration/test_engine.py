@@ -143,7 +143,7 @@ def test_abort_waiting_running_and_preempted(make_engine):
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": -3}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),

@@ -84,7 +84,7 @@ def test_cli_chat_streams_an_answer():
 
 def test_cli_reports_bad_input_cleanly():
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "generate", "hi", "--max-tokens", "0"],
+        [sys.executable, "-m", "tokenmill.cli", "generate", "hi", "--max-tokens", "-1"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -69,7 +69,7 @@ def test_key_required_everywhere_but_health_and_metrics(server: ServerProcess) -
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"logprobs": 99}, "logprobs"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
         ({"extra_body": {"repetition_penalty": "high"}}, "repetition_penalty"),  # a type error: 400, not 422

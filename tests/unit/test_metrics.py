@@ -1,97 +1,47 @@
-"""The hand-written Prometheus exposition: format, cumulative buckets, labels, vLLM's names."""
+"""The server's metrics: vLLM's names and labels, what the engine and the requests move, parsed back with
+prometheus_client's own text parser (the independent reference for the exposition format)."""
 
 from __future__ import annotations
 
-import math
-import re
+from prometheus_client.parser import text_string_to_metric_families
 
-import pytest
-
-from tokenmill.server.metrics import (
-    Counter,
-    EngineSnapshot,
-    Gauge,
-    Histogram,
-    Registry,
-    RequestEvent,
-    ServerMetrics,
-    escape_label,
-    format_value,
-)
-
-_SAMPLE = re.compile(
-    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$'
-)
+from tokenmill.server.metrics import EngineSnapshot, RequestEvent, ServerMetrics
 
 
 def parse(text: str) -> dict[str, float]:
-    """``{'name{labels}': value}``; every line must be a comment or a well-formed sample."""
+    """``{'name{k="v",...}': value}`` with the labels sorted by name; the parser rejects malformed text."""
     samples = {}
-    types: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge", "histogram"), line
-            assert name not in types, f"TYPE twice for {name}"
-            types[name] = kind
-            continue
-        if line.startswith("# HELP ") or not line:
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"malformed sample line: {line!r}"
-        samples[m.group(1) + (m.group(2) or "")] = float(m.group(3).replace("+Inf", "inf"))
+    for family in text_string_to_metric_families(text):
+        assert family.type in ("counter", "gauge", "histogram"), family
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            assert key not in samples, f"sample twice: {key}"
+            samples[key] = sample.value
     return samples
 
 
-def test_format_value() -> None:
-    assert format_value(3.0) == "3"
-    assert format_value(0.25) == "0.25"
-    assert format_value(math.inf) == "+Inf"
-    assert escape_label('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
-
-
-def test_counter_gauge_render_with_labels() -> None:
-    reg = Registry()
-    c = Counter("x_total", "help text", ("model_name",))
-    g = Gauge("y", "a gauge", ())
-    reg.add(c)
-    reg.add(g)
-    c.inc(("m",), 2)
-    c.inc(("m",))
-    g.set((), 0.5)
-    text = reg.render()
-    assert "# TYPE x_total counter" in text
-    assert "# TYPE y gauge" in text
-    samples = parse(text)
-    assert samples['x_total{model_name="m"}'] == 3
-    assert samples["y"] == 0.5
-    with pytest.raises(ValueError):
-        c.inc(("m",), -1)
-    with pytest.raises(ValueError):
-        c.inc(("m", "extra"))
-    with pytest.raises(ValueError):
-        reg.add(Counter("x_total", "again"))
-
-
-def test_counter_set_total_never_shrinks() -> None:
-    c = Counter("z_total", "h")
-    c.set_total((), 5)
-    c.set_total((), 3)
-    assert c.get() == 5
+def test_counters_mirror_engine_totals_and_never_shrink() -> None:
+    m = ServerMetrics("tiny")
+    m.update_engine(EngineSnapshot(num_preemptions=5), num_in_flight=0, alive=True)
+    m.update_engine(EngineSnapshot(num_preemptions=3), num_in_flight=0, alive=True)
+    assert parse(m.render())['vllm:num_preemptions_total{model_name="tiny"}'] == 5
+    m.update_engine(EngineSnapshot(num_preemptions=7), num_in_flight=0, alive=True, num_failed_steps=2)
+    samples = parse(m.render())
+    assert samples['vllm:num_preemptions_total{model_name="tiny"}'] == 7
+    assert samples['tokenmill:failed_steps_total{model_name="tiny"}'] == 2
 
 
 def test_histogram_buckets_are_cumulative() -> None:
-    h = Histogram("lat_seconds", "h", ("model_name",), buckets=(0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 2.0):
-        h.observe(("m",), v)
-    samples = parse("\n".join(h.render()))
-    assert samples['lat_seconds_bucket{model_name="m",le="0.1"}'] == 2  # le is inclusive
-    assert samples['lat_seconds_bucket{model_name="m",le="1"}'] == 3
-    assert samples['lat_seconds_bucket{model_name="m",le="+Inf"}'] == 4
-    assert samples['lat_seconds_count{model_name="m"}'] == 4
-    assert samples['lat_seconds_sum{model_name="m"}'] == pytest.approx(2.65)
-    with pytest.raises(ValueError):
-        Histogram("bad", "h", (), buckets=(1.0, 0.5))
+    m = ServerMetrics("tiny")
+    m.observe_requests([RequestEvent(ttft_s=v) for v in (0.05, 0.1, 0.5, 2.0)])
+    s = parse(m.render())
+    name = "vllm:time_to_first_token_seconds"
+    assert s[f'{name}_bucket{{le="0.1",model_name="tiny"}}'] == 2  # le is inclusive
+    assert s[f'{name}_bucket{{le="1.0",model_name="tiny"}}'] == 3
+    assert s[f'{name}_bucket{{le="+Inf",model_name="tiny"}}'] == 4
+    assert s[f'{name}_count{{model_name="tiny"}}'] == 4
+    assert abs(s[f'{name}_sum{{model_name="tiny"}}'] - 2.65) < 1e-9
 
 
 VLLM_NAMES = [
@@ -119,8 +69,8 @@ def test_server_metrics_exports_vllm_names_before_any_request() -> None:
     for name in VLLM_HISTOGRAMS:
         assert f"# TYPE {name} histogram" in text
         assert samples[f'{name}_count{{model_name="tiny"}}'] == 0
-        assert f'{name}_bucket{{model_name="tiny",le="+Inf"}}' in samples
-    assert samples['vllm:request_success_total{model_name="tiny",finished_reason="stop"}'] == 0
+        assert f'{name}_bucket{{le="+Inf",model_name="tiny"}}' in samples
+    assert samples['vllm:request_success_total{finished_reason="stop",model_name="tiny"}'] == 0
     assert samples['tokenmill:engine_loop_alive{model_name="tiny"}'] == 1
 
 
@@ -155,13 +105,14 @@ def test_server_metrics_observe_and_engine_snapshot() -> None:
     assert s[f"vllm:inter_token_latency_seconds_count{lbl}"] == 2
     assert s[f"vllm:e2e_request_latency_seconds_count{lbl}"] == 1
     assert s[f"vllm:request_queue_time_seconds_count{lbl}"] == 1
-    assert s['vllm:request_success_total{model_name="tiny",finished_reason="length"}'] == 1
+    assert s['vllm:request_success_total{finished_reason="length",model_name="tiny"}'] == 1
     assert s[f"vllm:num_requests_running{lbl}"] == 3
     assert s[f"vllm:num_requests_waiting{lbl}"] == 2
     assert s[f"vllm:kv_cache_usage_perc{lbl}"] == 0.25
     assert s[f"vllm:num_preemptions_total{lbl}"] == 4
     assert s[f"tokenmill:batch_occupancy{lbl}"] == 0.5
     assert s['tokenmill:idle_rows_total{model_name="tiny",reason="queue_empty"}'] == 9
+    assert s['tokenmill:idle_rows_total{model_name="tiny",reason="kv_pool_full"}'] == 1
     assert s[f"tokenmill:num_requests_in_flight{lbl}"] == 5
     assert s[f"tokenmill:queue_rejections_total{lbl}"] == 1
 

@@ -98,7 +98,7 @@ def test_bad_logprobs_name_the_request_field() -> None:
         to_sampling_params(chat, max_tokens=4, logprobs=50, chat=True)
     assert info.value.param == "top_logprobs"
     with pytest.raises(ParamError) as info:
-        to_sampling_params(chat, max_tokens=0, logprobs=None, chat=True)
+        to_sampling_params(chat, max_tokens=-1, logprobs=None, chat=True)
     assert info.value.param == "max_tokens"
 
 

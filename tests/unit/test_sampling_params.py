@@ -10,7 +10,6 @@ import pytest
 from tokenmill.sampling_params import SamplingParams
 
 BAD: list[tuple[str, Any]] = [
-    ("max_tokens", 0),
     ("max_tokens", -3),
     ("max_tokens", 2.5),
     ("temperature", -0.1),

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenmill
@@ -42,6 +42,7 @@ from tokenmill.server.common import (
     request_body,
     unavailable,
 )
+from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -182,10 +183,7 @@ def _add_misc_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(
-            get_state(request).async_engine.metrics.render(),
-            media_type="text/plain; version=0.0.4; charset=utf-8",
-        )
+        return Response(get_state(request).async_engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     def model_card(state: ServerState) -> ModelCard:
         return ModelCard(

@@ -517,7 +517,12 @@ class AsyncEngine:
         with self._lock:
             self._counters.num_running = snap.num_running
             num_in_flight = self._counters.num_in_flight
-        self.metrics.update_engine(snap, num_in_flight=num_in_flight, alive=alive and self._error is None)
+        self.metrics.update_engine(
+            snap,
+            num_in_flight=num_in_flight,
+            alive=alive and self._error is None,
+            num_failed_steps=self.num_failed_steps,
+        )
 
 
 @dataclass

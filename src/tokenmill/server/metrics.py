@@ -1,20 +1,24 @@
-"""Prometheus text exposition (format 0.0.4), hand-written: counters, gauges and histograms with labels.
+"""The server's Prometheus metrics, through ``prometheus_client`` (its registry, types and text format).
 
 The engine thread observes; the HTTP thread renders. One lock guards both, so a scrape never sees a
-histogram whose ``_count`` disagrees with its buckets. Names follow vLLM's (``vllm:...``) so existing
-dashboards work; tokenmill's own series (occupancy, idle rows by reason) are ``tokenmill:...``.
+histogram whose ``_count`` disagrees with its buckets, or a step's counters half updated. Names follow vLLM's
+(``vllm:...``) so existing dashboards work; tokenmill's own series (occupancy, idle rows by reason) are
+``tokenmill:...``. Each ServerMetrics has its own registry (no process-global state); ``_created`` series are
+off, as in vLLM.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-LabelValues = tuple[str, ...]
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+prometheus_client.disable_created_metrics()
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 # Bucket bounds in seconds, close to vLLM's.
 TTFT_BUCKETS_S = (
@@ -82,161 +86,6 @@ REQUEST_BUCKETS_S = (
 )
 
 
-def format_value(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def format_labels(names: Sequence[str], values: Sequence[str], extra: Mapping[str, str] | None = None) -> str:
-    pairs = list(zip(names, values))
-    if extra:
-        pairs.extend(extra.items())
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label(v)}"' for k, v in pairs) + "}"
-
-
-@dataclass
-class _Metric:
-    name: str
-    help: str
-    label_names: tuple[str, ...] = ()
-
-    kind = "untyped"
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def _key(self, labels: Sequence[str]) -> LabelValues:
-        if len(labels) != len(self.label_names):
-            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {tuple(labels)}")
-        return tuple(str(v) for v in labels)
-
-
-@dataclass
-class _ScalarMetric(_Metric):
-    """One number per label set (counters and gauges)."""
-
-    values: dict[LabelValues, float] = field(default_factory=dict)
-
-    def get(self, labels: Sequence[str] = ()) -> float:
-        return self.values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, value in self.values.items():
-            lines.append(f"{self.name}{format_labels(self.label_names, key)} {format_value(value)}")
-        return lines
-
-
-@dataclass
-class Counter(_ScalarMetric):
-    """A monotonically increasing total. Name it ``..._total``."""
-
-    kind = "counter"
-
-    def inc(self, labels: Sequence[str] = (), amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter cannot go down (inc by {amount})")
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def set_total(self, labels: Sequence[str], total: float) -> None:
-        """Mirror a total kept elsewhere (the engine's stats); it must not shrink."""
-        key = self._key(labels)
-        self.values[key] = max(self.values.get(key, 0.0), float(total))
-
-
-@dataclass
-class Gauge(_ScalarMetric):
-    kind = "gauge"
-
-    def set(self, labels: Sequence[str], value: float) -> None:
-        self.values[self._key(labels)] = float(value)
-
-
-@dataclass
-class _HistogramSeries:
-    bucket_counts: list[int]  # per bucket, not cumulative; the last is +Inf
-    sum: float = 0.0
-    count: int = 0
-
-
-@dataclass
-class Histogram(_Metric):
-    buckets: tuple[float, ...] = ()
-    series: dict[LabelValues, _HistogramSeries] = field(default_factory=dict)
-    kind = "histogram"
-
-    def __post_init__(self) -> None:
-        if list(self.buckets) != sorted(set(self.buckets)) or not self.buckets:
-            raise ValueError(f"{self.name}: buckets must be non-empty, increasing and distinct")
-
-    def _series(self, labels: Sequence[str]) -> _HistogramSeries:
-        key = self._key(labels)
-        s = self.series.get(key)
-        if s is None:
-            s = self.series[key] = _HistogramSeries([0] * (len(self.buckets) + 1))
-        return s
-
-    def observe(self, labels: Sequence[str], value: float) -> None:
-        s = self._series(labels)
-        s.bucket_counts[bisect.bisect_left(self.buckets, value)] += 1  # le: value <= bound
-        s.sum += value
-        s.count += 1
-
-    def touch(self, labels: Sequence[str]) -> None:
-        """Create the series with zero observations, so it is scraped before the first one."""
-        self._series(labels)
-
-    def count(self, labels: Sequence[str] = ()) -> int:
-        s = self.series.get(self._key(labels))
-        return s.count if s else 0
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, s in self.series.items():
-            cumulative = 0
-            for bound, n in zip((*self.buckets, math.inf), s.bucket_counts):
-                cumulative += n
-                labels = format_labels(self.label_names, key, {"le": format_value(bound)})
-                lines.append(f"{self.name}_bucket{labels} {cumulative}")
-            plain = format_labels(self.label_names, key)
-            lines.append(f"{self.name}_sum{plain} {format_value(s.sum)}")
-            lines.append(f"{self.name}_count{plain} {s.count}")
-        return lines
-
-
-class Registry:
-    """An ordered set of metrics and the one lock that guards them."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._metrics: dict[str, Counter | Gauge | Histogram] = {}
-
-    def add(self, metric: Counter | Gauge | Histogram) -> Counter | Gauge | Histogram:
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name} registered twice")
-        self._metrics[metric.name] = metric
-        return metric
-
-    def render(self) -> str:
-        with self.lock:
-            lines: list[str] = []
-            for metric in self._metrics.values():
-                lines.extend(metric.render())
-        return "\n".join(lines) + "\n"
-
-
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What the engine thread publishes after each step: plain numbers, safe to read from any thread."""
@@ -259,7 +108,9 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.registry = Registry()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.lock = threading.Lock()
+        self._totals: dict[tuple[str, tuple[str, ...]], float] = {}  # mirrored engine totals, per series
         m = ("model_name",)
         self.num_requests_running = self._gauge(
             "vllm:num_requests_running", "Requests in the running batch.", m
@@ -325,77 +176,88 @@ class ServerMetrics:
             "HTTP requests refused with 429 because the queue was full.",
             m,
         )
+        self.failed_steps = self._counter(
+            "tokenmill:failed_steps_total",
+            "Steps whose forward raised (their requests ended with an error).",
+            m,
+        )
         self.engine_alive = self._gauge("tokenmill:engine_loop_alive", "1 while the engine loop runs.", m)
         self.free_blocks = self._gauge("tokenmill:kv_free_blocks", "Free blocks in the KV pool.", m)
         self.total_blocks = self._gauge("tokenmill:kv_total_blocks", "Blocks in the KV pool.", m)
-        labels = self._labels
         for reason in ("stop", "length", "abort", "error"):
-            self.request_success.inc((model_name, reason), 0.0)
-        for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.iterations,
-                       self.token_slots, self.recomputed_tokens, self.queue_rejections):  # fmt: skip
-            metric.inc(labels, 0.0)
+            self.request_success.labels(model_name, reason)  # every series exists, at 0, from the start
+        for counter in (self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.iterations,
+                        self.token_slots, self.recomputed_tokens, self.queue_rejections,
+                        self.failed_steps):  # fmt: skip
+            counter.labels(model_name)
         for hist in (self.ttft, self.itl, self.e2e, self.queue_time):
-            hist.touch(labels)
+            hist.labels(model_name)
         self.update_engine(EngineSnapshot(), num_in_flight=0, alive=True)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...]) -> Counter:
-        metric = Counter(name, help, labels)
-        self.registry.add(metric)
-        return metric
+        return Counter(name, help, labels, registry=self.registry)
 
     def _gauge(self, name: str, help: str, labels: tuple[str, ...]) -> Gauge:
-        metric = Gauge(name, help, labels)
-        self.registry.add(metric)
-        return metric
+        return Gauge(name, help, labels, registry=self.registry)
 
     def _histogram(
         self, name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...]
     ) -> Histogram:
-        metric = Histogram(name, help, labels, buckets=buckets)
-        self.registry.add(metric)
-        return metric
+        return Histogram(name, help, labels, buckets=buckets, registry=self.registry)
 
-    @property
-    def _labels(self) -> tuple[str]:
-        return (self.model_name,)
+    def _mirror(self, counter: Counter, labels: tuple[str, ...], total: float) -> None:
+        """Bring a counter up to a total the engine keeps (its stats); a total never shrinks."""
+        key = (counter._name, labels)
+        delta = float(total) - self._totals.get(key, 0.0)
+        if delta > 0:
+            counter.labels(*labels).inc(delta)
+            self._totals[key] = float(total)
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's current value (0 when absent), for tests and the engine's own checks."""
+        value = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
+        return 0.0 if value is None else value
 
     # --- engine thread -------------------------------------------------------------------------------
-    def update_engine(self, snap: EngineSnapshot, num_in_flight: int, alive: bool) -> None:
-        labels = self._labels
-        with self.registry.lock:
-            self.num_requests_running.set(labels, snap.num_running)
-            self.num_requests_waiting.set(labels, snap.num_waiting)
-            self.kv_cache_usage_perc.set(labels, snap.kv_cache_usage)
-            self.num_preemptions.set_total(labels, snap.num_preemptions)
-            self.occupancy.set(labels, snap.occupancy)
-            self.iterations.set_total(labels, snap.num_iterations)
-            self.token_slots.set_total(labels, snap.num_token_slots)
-            self.recomputed_tokens.set_total(labels, snap.num_recomputed_tokens)
+    def update_engine(
+        self, snap: EngineSnapshot, num_in_flight: int, alive: bool, num_failed_steps: int = 0
+    ) -> None:
+        labels = (self.model_name,)
+        with self.lock:
+            self.num_requests_running.labels(*labels).set(snap.num_running)
+            self.num_requests_waiting.labels(*labels).set(snap.num_waiting)
+            self.kv_cache_usage_perc.labels(*labels).set(snap.kv_cache_usage)
+            self._mirror(self.num_preemptions, labels, snap.num_preemptions)
+            self.occupancy.labels(*labels).set(snap.occupancy)
+            self._mirror(self.iterations, labels, snap.num_iterations)
+            self._mirror(self.token_slots, labels, snap.num_token_slots)
+            self._mirror(self.recomputed_tokens, labels, snap.num_recomputed_tokens)
+            self._mirror(self.failed_steps, labels, num_failed_steps)
             for reason, n in snap.idle_rows_by_reason.items():
-                self.idle_rows.set_total((self.model_name, reason), n)
-            self.in_flight.set(labels, num_in_flight)
-            self.engine_alive.set(labels, 1.0 if alive else 0.0)
-            self.free_blocks.set(labels, snap.num_free_blocks)
-            self.total_blocks.set(labels, snap.num_total_blocks)
+                self._mirror(self.idle_rows, (self.model_name, reason), n)
+            self.in_flight.labels(*labels).set(num_in_flight)
+            self.engine_alive.labels(*labels).set(1.0 if alive else 0.0)
+            self.free_blocks.labels(*labels).set(snap.num_free_blocks)
+            self.total_blocks.labels(*labels).set(snap.num_total_blocks)
 
     def observe_requests(self, events: Iterable[RequestEvent]) -> None:
-        labels = self._labels
-        with self.registry.lock:
+        name = self.model_name
+        with self.lock:
             for ev in events:
                 if ev.num_prompt_tokens:
-                    self.prompt_tokens.inc(labels, ev.num_prompt_tokens)
+                    self.prompt_tokens.labels(name).inc(ev.num_prompt_tokens)
                 if ev.num_new_tokens:
-                    self.generation_tokens.inc(labels, ev.num_new_tokens)
+                    self.generation_tokens.labels(name).inc(ev.num_new_tokens)
                 if ev.queue_time_s is not None:
-                    self.queue_time.observe(labels, ev.queue_time_s)
+                    self.queue_time.labels(name).observe(ev.queue_time_s)
                 if ev.ttft_s is not None:
-                    self.ttft.observe(labels, ev.ttft_s)
+                    self.ttft.labels(name).observe(ev.ttft_s)
                 if ev.itl_s is not None:
-                    self.itl.observe(labels, ev.itl_s)
+                    self.itl.labels(name).observe(ev.itl_s)
                 if ev.finish_reason is not None:
-                    self.request_success.inc((self.model_name, ev.finish_reason))
+                    self.request_success.labels(name, ev.finish_reason).inc()
                     if ev.e2e_s is not None:
-                        self.e2e.observe(labels, ev.e2e_s)
+                        self.e2e.labels(name).observe(ev.e2e_s)
 
     # --- HTTP thread ---------------------------------------------------------------------------------
     def set_build_info(self, info: Mapping[str, Any]) -> None:
@@ -409,14 +271,16 @@ class ServerMetrics:
             info["kernel_variant"],
             off,
         )
-        self.build_info.set(labels, 1.0)
+        with self.lock:
+            self.build_info.labels(*labels).set(1.0)
 
     def count_rejection(self) -> None:
-        with self.registry.lock:
-            self.queue_rejections.inc(self._labels)
+        with self.lock:
+            self.queue_rejections.labels(self.model_name).inc()
 
     def render(self) -> str:
-        return self.registry.render()
+        with self.lock:
+            return prometheus_client.generate_latest(self.registry).decode()
 
 
 @dataclass
