@@ -6,6 +6,7 @@ that carries the request bodies."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from collections.abc import Iterator
@@ -237,3 +238,72 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server: ServerProcess) -> None
     assert with_token["token_logprobs"][:num_prompt_tokens] == pytest.approx(lp["token_logprobs"], abs=1e-4)
     chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": M, "max_tokens": 0})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"
+
+
+def _steps(choice: dict[str, Any]) -> list[tuple[str, float, dict[str, float]]]:
+    lp = choice["logprobs"]
+    return list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
+
+
+def test_min_p_keeps_only_tokens_near_the_best(server: ServerProcess) -> None:
+    """At temperature 1 the sampled token's raw probability is at least min_p x the best one's, each step;
+    without min_p, the same seeds do pick tokens below that line (so the check can fail)."""
+    url = f"{server.base_url}/v1/completions"
+    base = {
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "logprobs": 5,
+        "ignore_eos": True,
+    }
+    below_without = 0
+    for seed in range(6):
+        with_min_p = httpx.post(url, json={**base, "seed": seed, "min_p": 0.3}).json()["choices"][0]
+        for _, logprob, top in _steps(with_min_p):
+            assert logprob >= math.log(0.3) + max(top.values()) - 1e-4
+        free = httpx.post(url, json={**base, "seed": seed, "temperature": 1.5}).json()["choices"][0]
+        below_without += sum(lp < math.log(0.3) + max(top.values()) for _, lp, top in _steps(free))
+    assert below_without > 0
+
+
+def _penalised(top: dict[str, float], token: str, counts: dict[str, int], field: str) -> float:
+    n = counts.get(token, 0)
+    return top[token] - (2.0 * (n > 0) if field == "presence_penalty" else 2.0 * n)
+
+
+def test_presence_and_frequency_penalties_as_computed_by_hand(server: ServerProcess) -> None:
+    """Greedy with a penalty: each token is the argmax of (raw logprob - penalty for the tokens already
+    generated), worked out from the raw top-20 logprobs the server returns."""
+    url = f"{server.base_url}/v1/completions"
+    base = {"prompt": "My favourite colours are", "max_tokens": 16, "temperature": 0, "logprobs": 20,
+            "ignore_eos": True}  # fmt: skip
+    plain = httpx.post(url, json=base).json()["choices"][0]["text"]
+    for field in ("presence_penalty", "frequency_penalty"):
+        choice = httpx.post(url, json={**base, field: 2.0}).json()["choices"][0]
+        counts: dict[str, int] = {}
+        for token, _, top in _steps(choice):
+            assert token in top
+            best = max(_penalised(top, t, counts, field) for t in top)
+            assert _penalised(top, token, counts, field) >= best - 1e-4, (field, token, counts)
+            counts[token] = counts.get(token, 0) + 1
+        assert choice["text"] != plain  # the penalty changed what greedy says
+
+
+def test_twenty_dropped_long_prompts_leave_nothing_behind(server: ServerProcess) -> None:
+    prompt = " ".join(["word"] * 480)
+    for _ in range(20):
+        body = {"prompt": prompt, "max_tokens": 16, "stream": True}
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{server.base_url}/v1/completions", json=body),
+        ):
+            time.sleep(0.05)  # gone before its prefill finished
+    deadline = time.monotonic() + 30
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "tokenmill:num_requests_in_flight")
+    while time.monotonic() < deadline and any(server.metric(name) for name in names):
+        time.sleep(0.2)  # the last aborts are applied at the next step boundary
+    assert server.metric("vllm:num_requests_running") == 0
+    assert server.metric("vllm:num_requests_waiting") == 0
+    assert server.metric("vllm:kv_cache_usage_perc") == 0
+    assert server.metric("tokenmill:num_requests_in_flight") == 0
+    _still_serves(server)

@@ -267,6 +267,30 @@ def test_engine_death_fails_every_request_and_health() -> None:
     assert 'tokenmill:engine_loop_alive{model_name="fake"} 0' in ae.metrics.render()
 
 
+def test_submit_racing_the_engines_end_is_refused_not_left_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A submit that passed the alive check just before the thread finished: its command is refused (the
+    thread closed its queue), so the await raises instead of waiting forever."""
+    died: list[BaseException] = []
+    ae = AsyncEngine(FakeEngine(fail_at_step=1), on_dead=died.append)
+    ae.start()
+
+    async def first() -> None:
+        await collect(await ae.submit([([10], SamplingParams(max_tokens=5))]))
+
+    run(first())
+    assert ae._thread is not None
+    ae._thread.join(5)
+    assert len(died) == 1 and "boom" in str(died[0])  # on_dead ran once, on the engine thread's way out
+    monkeypatch.setattr(AsyncEngine, "alive", property(lambda self: True))  # the check a racing submit saw
+
+    async def racing() -> None:
+        with pytest.raises(EngineDeadError):
+            await ae.submit([([10], SamplingParams(max_tokens=3))])
+
+    run(racing())
+    assert ae.num_in_flight == 0
+
+
 def test_stop_aborts_in_flight_and_refuses_new() -> None:
     fake = FakeEngine(step_s=0.01)
     ae = AsyncEngine(fake)

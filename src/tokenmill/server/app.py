@@ -246,11 +246,10 @@ def _add_misc_routes(app: FastAPI) -> None:
                 chat = ChatCompletionRequest(
                     messages=req.messages, add_generation_prompt=req.add_generation_prompt
                 )
-                tokens = encode_messages(state, chat)
+                tokens = await run_in_threadpool(encode_messages, state, chat)  # off the event loop
             elif req.prompt is not None:
-                tokens = list(
-                    tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-                )
+                add_special = req.add_special_tokens is not False
+                tokens = list(await run_in_threadpool(tokenizer.encode, req.prompt, add_special))
             else:
                 raise ParamError("either prompt or messages is required", param="prompt")
         except ParamError as exc:
@@ -278,7 +277,8 @@ def _add_misc_routes(app: FastAPI) -> None:
                     f"tokens: token id {tok} is out of vocabulary (valid ids are 0..{tokenizer.vocab_size - 1})",
                     param="tokens",
                 )
-        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)).model_dump())
+        text = await run_in_threadpool(tokenizer.decode, req.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
 def _error_body(status_code: int, message: str, type: str, code: str | None = None) -> JSONResponse:
