@@ -66,6 +66,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None
     num_threads: int | None = None
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and cache_salt) repeat
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

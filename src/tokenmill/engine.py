@@ -91,7 +91,9 @@ class Engine:
             max_num_preemptions=config.max_num_preemptions,
         )
         self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
-        self.kv_manager = KVCacheManager(self.cache_config, config.reserve)
+        self.kv_manager = KVCacheManager(
+            self.cache_config, config.reserve, enable_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
         self.runner = ModelRunner(loaded, self.num_total_blocks, config.block_size, seed=config.seed)
         self.stats = EngineStats()
@@ -119,6 +121,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; ValueError for bad input (empty or out-of-vocabulary prompt, too long, duplicate id)."""
         params = params or SamplingParams()
@@ -147,6 +150,7 @@ class Engine:
             arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             prompt=text,
+            cache_salt=cache_salt,
         )
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
@@ -242,6 +246,7 @@ class Engine:
                 result.finished.append(self._finish(request))
         self._pending_finished.clear()
         self.stats.add_step(result.record, sum(len(d.new_token_ids) for d in result.deltas))
+        self.stats.num_prefix_evicted_blocks = self.kv_manager.pool.num_evicted_blocks
         self.stats.num_finished += len(result.finished)
         return result
 
@@ -276,6 +281,7 @@ class Engine:
             new_logprobs=new_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs if first_delta else None,
         )
 

@@ -30,6 +30,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of repeated prompt prefixes (on by default; --no-enable-prefix-caching: off)",
+    )
+    g.add_argument(
         "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
     )
 
@@ -49,4 +55,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         num_threads=args.num_threads,
         seed=args.engine_seed,
+        enable_prefix_caching=args.enable_prefix_caching,
     )

@@ -65,5 +65,6 @@ class RequestDelta:
     new_logprobs: list[Logprob] | None = None  # parallel to new_token_ids when logprobs were asked
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including new_token_ids
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
     prompt_logprobs: list[Logprob | None] | None = None  # on the first delta only, when asked
     extra: dict[str, Any] = field(default_factory=dict)

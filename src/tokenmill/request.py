@@ -85,6 +85,13 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # written only by the KV-cache manager
     num_reserved_blocks: int = 0  # worst-case admission: blocks held beyond block_ids
+    # Prefix caching (written only by the KV-cache manager): the chained hash of each full block of
+    # all_token_ids so far, how many blocks of block_ids are in the cache's map, and the prompt tokens the
+    # first admission found cached (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    cache_salt: str | None = None  # requests with different salts never share blocks
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_returned_tokens: int = 0  # tokens already handed to the caller (never handed twice)
     first_token_time_s: float | None = None

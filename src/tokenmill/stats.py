@@ -26,6 +26,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_finished: int = 0
+    num_prefix_queried_tokens: int = 0  # prompt (+ output, after a preemption) tokens looked up at admission
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache: not computed
+    num_prefix_evicted_blocks: int = 0  # cached blocks reused for other tokens (set by the engine)
     num_failed_steps: int = 0  # forwards that raised (their requests ended with an error)
     idle_rows_by_reason: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in IdleReason})
     records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
@@ -55,6 +58,8 @@ class EngineStats:
         self.num_prefill_tokens += record.num_prefill_tokens
         self.num_decode_tokens += record.num_decode_tokens
         self.num_recomputed_tokens += record.num_recomputed_tokens
+        self.num_prefix_queried_tokens += record.num_prefix_queried_tokens
+        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
         for reason, n in record.idle_rows.items():
             self.idle_rows_by_reason[reason.value] += n
 
@@ -68,6 +73,9 @@ class EngineStats:
             "num_decode_tokens": self.num_decode_tokens,
             "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,
+            "num_prefix_queried_tokens": self.num_prefix_queried_tokens,
+            "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "num_prefix_evicted_blocks": self.num_prefix_evicted_blocks,
             "num_finished": self.num_finished,
             "num_failed_steps": self.num_failed_steps,
             "idle_rows_by_reason": dict(self.idle_rows_by_reason),

@@ -349,7 +349,12 @@ def test_app_completion_roundtrip(client: httpx.AsyncClient) -> None:
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["choices"][0]["text"] == "abcd"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 8,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     lp = body["choices"][0]["logprobs"]
     assert lp["tokens"] == ["a", "b", "c", "d"] and lp["text_offset"] == [0, 1, 2, 3]
     assert lp["top_logprobs"][0] == {"a": -0.5, "b": -1.5}

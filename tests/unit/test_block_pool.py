@@ -93,7 +93,7 @@ def test_integrity_detects_corruption() -> None:
     with pytest.raises(RuntimeError, match="leaked"):
         pool.check_integrity()
     pool._ref_counts[a[0]] = 1
-    pool._free.append(a[0])  # free and owned
+    pool._free[a[0]] = None  # free and owned
     with pytest.raises(RuntimeError):
         pool.check_integrity()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -258,9 +259,11 @@ def test_step_examines_only_the_head_of_a_long_queue() -> None:
     calls: list[str] = []
     real = sched.kv.allocate_slots
 
-    def counting(request: Request, num_new_tokens: int, num_lookahead_blocks: int = 0) -> list[int] | None:
+    def counting(
+        request: Request, num_new_tokens: int, num_lookahead_blocks: int = 0, **kw: Any
+    ) -> list[int] | None:
         calls.append(request.request_id)
-        return real(request, num_new_tokens, num_lookahead_blocks)
+        return real(request, num_new_tokens, num_lookahead_blocks, **kw)
 
     sched.kv.allocate_slots = counting  # type: ignore[method-assign]
     out = sched.schedule()

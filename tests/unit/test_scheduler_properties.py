@@ -26,13 +26,21 @@ def token_at(request_id: str, position: int) -> int:
     return 100 + zlib.crc32(f"{request_id}:{position}".encode()) % 10_000
 
 
-def fake_execute(out: SchedulerOutput, block_size: int) -> ModelRunnerOutput:
+def fake_execute(
+    out: SchedulerOutput, block_size: int, kv: KVCacheManager | None = None
+) -> ModelRunnerOutput:
     sampled = {}
     for row in out.rows:
         r = row.request
         assert row.start_position == r.num_computed_tokens
         assert row.token_ids == r.all_token_ids[row.start_position : row.seq_len]
         assert len(row.block_ids) * block_size >= row.seq_len
+        if (
+            kv is not None
+        ):  # the blocks this row writes are its own: no other table, not findable in the cache
+            for b in row.block_ids[row.start_position // block_size : -(-row.seq_len // block_size)]:
+                assert kv.pool.ref_count(b) == 1, f"row {r.request_id} writes shared block {b}"
+                assert not kv.pool.is_cached(b), f"row {r.request_id} writes cached block {b}"
         assert row.sample == (row.seq_len == r.num_tokens)
         if row.sample:
             sampled[r.request_id] = SampledToken(token_at(r.request_id, row.seq_len))
@@ -70,11 +78,14 @@ class Harness:
             assert set(out.finished_ids) <= set(rec.preempted_ids)
         for reason in rec.idle_rows:
             event(f"idle: {reason.name}")
+        if rec.num_prefix_hit_tokens:
+            event("a prefix-cache hit")
+            assert rec.num_prefix_hit_tokens % self.block_size == 0
         if cfg.reserve == "worst_case":
             assert rec.num_preemptions == 0  # growth always comes out of the request's reservation
         else:
             assert sched.kv.num_reserved_unused_blocks == 0
-        runner_output = fake_execute(out, self.block_size)
+        runner_output = fake_execute(out, self.block_size, sched.kv)
         if abort_in_flight is not None and self.requests:
             ids = sorted(self.requests)
             got = sched.finish_request(ids[abort_in_flight % len(ids)], RequestStatus.FINISHED_ABORTED)
@@ -92,6 +103,7 @@ add_op = st.tuples(
     st.integers(1, 24),  # prompt length
     st.integers(1, 16),  # max_tokens
     st.booleans(),  # ignore_eos
+    st.integers(0, 2),  # prompt family: prompts of one family are prefixes of one another
 )
 step_op = st.tuples(st.just("step"), st.none() | st.integers(0, 1000))  # optional abort mid-step
 abort_op = st.tuples(st.just("abort"), st.integers(0, 1000))
@@ -107,9 +119,14 @@ def drive(
     reserve: str,
     max_num_preemptions: int,
     ops: list[tuple[object, ...]],
+    enable_caching: bool = False,
 ) -> None:
     """Apply ``ops``, run to completion, and check the end state."""
-    kv = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks), reserve)  # type: ignore[arg-type]
+    kv = KVCacheManager(
+        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        reserve,  # type: ignore[arg-type]
+        enable_caching=enable_caching,
+    )
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -120,11 +137,13 @@ def drive(
     h = Harness(Scheduler(config, kv, block_size), block_size, {}, {})
     for op in ops:
         if op[0] == "add":
-            _, prompt_len, max_tokens, ignore_eos = op
+            _, prompt_len, max_tokens, ignore_eos, *family = op
             assert isinstance(prompt_len, int) and isinstance(max_tokens, int)
             rid = f"r{len(h.requests)}"
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=bool(ignore_eos))
-            req = Request(rid, [7] * prompt_len, params, eos_token_ids=EOS_IDS)
+            f = int(family[0]) if family else 0  # type: ignore[call-overload]
+            prompt = [7 + 1000 * f + i % (3 + f) for i in range(prompt_len)]
+            req = Request(rid, prompt, params, eos_token_ids=EOS_IDS)
             fits_len = prompt_len + max_tokens <= max_model_len
             fits_pool = -(-(prompt_len + max_tokens) // block_size) <= num_blocks
             try:
@@ -248,3 +267,31 @@ def test_pressure_preempts_and_keeps_every_invariant(
         max_num_preemptions,
         [*burst, *ops],
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(4, 24),
+    max_num_seqs=st.integers(1, 8),
+    max_num_batched_tokens=st.integers(1, 48),
+    reserve=st.sampled_from(["none", "none", "worst_case"]),
+    max_num_preemptions=st.integers(1, 4),
+    ops=ops_strategy,
+)
+def test_prefix_caching_keeps_every_invariant(
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    reserve: str,
+    max_num_preemptions: int,
+    ops: list[tuple[object, ...]],
+) -> None:
+    """Prompts of three families share prefixes of every length (a block, one short of one, one over):
+    with caching on, the same invariants, tokens and end state; no row writes a shared or cached block;
+    at the end every block is free (cached ones evictable, still mapped)."""
+    drive(
+        block_size, num_blocks, max_num_seqs, max_num_batched_tokens, 40, reserve, max_num_preemptions, ops,
+        enable_caching=True,
+    )  # fmt: skip

@@ -23,7 +23,7 @@ JSON_LEAVES = (
     st.none()
     | st.booleans()
     | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8)
 )
 JSON = st.recursive(

@@ -12,10 +12,22 @@ Two admission policies (``reserve``):
   ``prompt + max_tokens`` tokens; later growth draws from that reservation and can never fail. Reserved
   blocks stay physically in the pool's free queue: the manager only counts them, so
   ``num_free_blocks = pool free - reserved but unused``.
+
+Prefix caching (``enable_caching``): a full block's identity is a hash chained over its parent's hash and
+its token ids, ``sha256(parent || salt-rooted chain || int32 token ids)``; the chain's root is the sha256 of the
+request's ``cache_salt``. SHA-256 is collision resistant, so two different token prefixes sharing a block by
+accident is not a practical risk (a 64-bit hash would be, at scale). :meth:`find_cached_prefix` returns the
+longest run of cached blocks at the start of a request (never its last token: one token is always computed,
+so that there are logits to sample from); :meth:`allocate_slots` takes them with the first allocation;
+:meth:`cache_full_blocks` registers a request's blocks once they are full and their KV is written (after
+the step that filled them, prompt or generated tokens alike). Only full blocks are ever shared, and a shared
+block is never written again: a request writes only past its cached prefix.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Literal
 
 from tokenmill.cache.block_pool import BlockPool
@@ -28,9 +40,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, cache_config: CacheConfig, reserve: Literal["none", "worst_case"] = "none") -> None:
+    def __init__(
+        self,
+        cache_config: CacheConfig,
+        reserve: Literal["none", "worst_case"] = "none",
+        enable_caching: bool = False,
+    ) -> None:
         if reserve not in ("none", "worst_case"):
             raise ValueError(f"reserve must be 'none' or 'worst_case', got {reserve!r}")
+        self.enable_caching = enable_caching
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.reserve = reserve
@@ -91,8 +109,9 @@ class KVCacheManager:
         table_after = len(request.block_ids) + needed
         lookahead = max(0, min(num_lookahead_blocks, self.max_blocks(request) - table_after))
         if self.reserve == "worst_case" and request.request_id not in self._requests:
-            # First allocation: book the whole worst case (or more, if asked for more).
-            total = max(self.max_blocks(request), needed + lookahead)
+            # First allocation: book the whole worst case (or more, if asked for more), less the cached
+            # prefix blocks the table starts with.
+            total = max(self.max_blocks(request) - len(request.block_ids), needed + lookahead)
             return needed, total
         # Later growth draws on the request's own reservation before the shared free blocks.
         return needed, max(0, needed + lookahead - request.num_reserved_blocks)
@@ -115,22 +134,40 @@ class KVCacheManager:
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, num_lookahead_blocks: int = 0
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_blocks: int = 0,
+        cached_blocks: list[int] | None = None,
     ) -> list[int] | None:
         """Grow ``request.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` token slots.
 
         Returns the newly added block ids (possibly none), or ``None`` when they do not fit right now,
         leaving everything unchanged. ``num_lookahead_blocks`` asks that this many more blocks be free
         too (not allocated): a preempted request is re-admitted only when it can make progress.
+        ``cached_blocks`` (first allocation only, from :meth:`find_cached_prefix`, with
+        ``num_computed_tokens`` already counting them) start the table; a free cached block taken counts
+        against the free blocks like a new one.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        needed, shared = self._demand(request, num_new_tokens, num_lookahead_blocks)
-        if shared > self.num_free_blocks:
-            return None
         first = request.request_id not in self._requests
         if first and (request.block_ids or request.num_reserved_blocks):
             raise RuntimeError(f"request {request.request_id!r} holds blocks the manager does not track")
+        cached = list(cached_blocks or [])
+        if cached and not first:
+            raise RuntimeError(f"request {request.request_id!r}: cached blocks only start a table")
+        if cached:
+            request.block_ids = cached  # for _demand; taken back below when they do not fit
+        needed, shared = self._demand(request, num_new_tokens, num_lookahead_blocks)
+        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # they leave the free queue
+        if shared + num_revived > self.num_free_blocks:
+            if cached:
+                request.block_ids = []
+            return None
+        if cached:
+            self.pool.touch(cached)
+            request.num_cached_blocks = len(cached)
         if first and self.reserve == "worst_case":
             reserved_total = shared  # booked now, allocated below as it is needed
         else:
@@ -161,6 +198,46 @@ class KVCacheManager:
         self._num_reserved_unused -= request.num_reserved_blocks
         request.block_ids = []
         request.num_reserved_blocks = 0
+        request.num_cached_blocks = 0
+
+    # --- prefix caching -----------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first ``num_blocks`` full blocks (extended as needed)."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else hashlib.sha256((request.cache_salt or "").encode()).digest()
+            block = tokens[i * bs : (i + 1) * bs]
+            hashes.append(hashlib.sha256(parent + struct.pack(f"<{bs}i", *block)).digest())
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks holding the longest prefix of the request's tokens, at most all but its last
+        token (empty with caching off). Nothing is taken yet: :meth:`allocate_slots` does that."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are full and written (``num_computed_tokens`` covers them)."""
+        if not self.enable_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache(request.block_ids[i], hashes[i])  # False: a twin computed at once; stays private
+        request.num_cached_blocks = num_full
 
     # --- checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -181,6 +258,12 @@ class KVCacheManager:
             num_reserved += request.num_reserved_blocks
             for b in request.block_ids:
                 owners[b] = owners.get(b, 0) + 1
+            if request.num_cached_blocks > len(request.block_ids):
+                raise RuntimeError(f"request {request_id!r} counts more cached blocks than it holds")
+            for i, b in enumerate(request.block_ids[: request.num_cached_blocks]):
+                mapped = self.pool.hash_of(b)
+                if mapped is not None and mapped != request.block_hashes[i]:
+                    raise RuntimeError(f"request {request_id!r} holds block {b} cached for other tokens")
         if num_reserved != self._num_reserved_unused:
             raise RuntimeError(
                 f"reservations sum to {num_reserved}, counter says {self._num_reserved_unused}"

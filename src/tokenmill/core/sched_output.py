@@ -67,6 +67,8 @@ class StepRecord:
     num_rows_possible: int = 0  # max_num_seqs
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0  # tokens computed again because of a preemption
+    num_prefix_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # of those, served from it (not computed)
     idle_rows: dict[IdleReason, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     admitted_ids: list[str] = field(default_factory=list)

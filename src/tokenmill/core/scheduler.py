@@ -151,14 +151,26 @@ class Scheduler:
             if budget <= 0:
                 return IdleReason.TOKEN_BUDGET
             request = self.waiting[0]
+            # The longest cached prefix counts as computed. A request that wants prompt logprobs skips the
+            # cache: its logprobs need the logits of every prompt position.
+            cached: list[int] = []
+            if request.sampling_params.prompt_logprobs is None:
+                cached = self.kv.find_cached_prefix(request)
+            request.num_computed_tokens = len(cached) * self.block_size
             num_new = min(request.num_tokens_to_compute, budget)
             lookahead = 1 if request.num_preemptions else 0  # anti-thrash: room to make progress
-            if self.kv.allocate_slots(request, num_new, num_lookahead_blocks=lookahead) is None:
+            if self.kv.allocate_slots(request, num_new, lookahead, cached_blocks=cached) is None:
+                request.num_computed_tokens = 0
                 if self.kv.reserve == "worst_case" and self.kv.would_fit_without_reservations(
                     request, num_new, lookahead
                 ):
                     return IdleReason.KV_RESERVED
                 return IdleReason.KV_POOL_FULL
+            if self.kv.enable_caching and request.sampling_params.prompt_logprobs is None:
+                out.record.num_prefix_queried_tokens += request.num_tokens
+                out.record.num_prefix_hit_tokens += request.num_computed_tokens
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = request.num_computed_tokens
             self.waiting.popleft()
             request.transition(RequestStatus.RUNNING)
             self.running.append(request)
@@ -230,6 +242,7 @@ class Scheduler:
             if request.num_computed_tokens != row.start_position:
                 raise RuntimeError(f"request {request.request_id!r} changed under a scheduled row")
             request.num_computed_tokens += row.num_new_tokens
+            self.kv.cache_full_blocks(request)  # full blocks written this step become shareable
             if not row.sample:
                 if (
                     request.sampling_params.max_tokens == 0

@@ -74,6 +74,7 @@ class _Add:
     group: RequestGroup
     prompts: list[tuple[list[int], SamplingParams]]
     arrival_s: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -252,7 +253,10 @@ class AsyncEngine:
 
     # --- submission (event loop) ------------------------------------------------------------------------
     async def submit(
-        self, prompts: Sequence[tuple[list[int], SamplingParams]], request_id: str | None = None
+        self,
+        prompts: Sequence[tuple[list[int], SamplingParams]],
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestGroup:
         """Queue one engine request per ``(prompt_token_ids, params)``; return once the engine accepted them.
 
@@ -287,7 +291,7 @@ class AsyncEngine:
             request_id = f"req-{self._next_id}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(self, ids, asyncio.get_running_loop())
-        if not self._send(_Add(group, [(list(p), sp) for p, sp in prompts], arrival_s)):
+        if not self._send(_Add(group, [(list(p), sp) for p, sp in prompts], arrival_s, cache_salt)):
             with self._lock:
                 self._counters.num_in_flight -= len(prompts)
             raise EngineDeadError(self.dead_message())
@@ -402,8 +406,9 @@ class AsyncEngine:
             for index, ((token_ids, params), request_id) in enumerate(
                 zip(command.prompts, group.request_ids, strict=True)
             ):
+                salt = {} if command.cache_salt is None else {"cache_salt": command.cache_salt}
                 self._engine.add_request(
-                    token_ids, params, request_id=request_id, arrival_time_s=command.arrival_s
+                    token_ids, params, request_id=request_id, arrival_time_s=command.arrival_s, **salt
                 )
                 added.append(request_id)
                 self._tracked[request_id] = _Tracked(group, index, command.arrival_s)
@@ -511,6 +516,8 @@ class AsyncEngine:
             num_token_slots=stats.num_token_slots,
             num_recomputed_tokens=stats.num_recomputed_tokens,
             occupancy=float(stats.occupancy),
+            num_prefix_queried_tokens=getattr(stats, "num_prefix_queried_tokens", 0),
+            num_prefix_hit_tokens=getattr(stats, "num_prefix_hit_tokens", 0),
             idle_rows_by_reason=dict(stats.idle_rows_by_reason),
         )
         self.snapshot = snap
@@ -534,6 +541,7 @@ class ChoiceResult:
     logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -547,6 +555,7 @@ class ChoiceResult:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason

@@ -199,10 +199,12 @@ def check_model(state: ServerState, model: str | None) -> None:
         )  # fmt: skip
 
 
-async def submit(state: ServerState, prompts: list[tuple[list[int], Any]], request_id: str) -> Any:
+async def submit(
+    state: ServerState, prompts: list[tuple[list[int], Any]], request_id: str, cache_salt: str | None = None
+) -> Any:
     """AsyncEngine.submit with its refusals mapped to HTTP: 429 (queue), 503 (draining/dead), 400 (input)."""
     try:
-        return await state.async_engine.submit(prompts, request_id=request_id)
+        return await state.async_engine.submit(prompts, request_id=request_id, cache_salt=cache_salt)
     except QueueFullError as exc:
         raise overloaded(str(exc)) from None
     except (DrainingError, EngineDeadError) as exc:

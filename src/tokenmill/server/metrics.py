@@ -100,6 +100,8 @@ class EngineSnapshot:
     num_token_slots: int = 0
     num_recomputed_tokens: int = 0
     occupancy: float = 0.0
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
     idle_rows_by_reason: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -124,6 +126,12 @@ class ServerMetrics:
         self.num_preemptions = self._counter("vllm:num_preemptions_total", "Preemptions by recompute.", m)
         self.prompt_tokens = self._counter("vllm:prompt_tokens_total", "Prompt tokens prefilled.", m)
         self.generation_tokens = self._counter("vllm:generation_tokens_total", "Tokens generated.", m)
+        self.prefix_cache_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m
+        )
+        self.prefix_cache_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (not computed).", m
+        )
         self.request_success = self._counter(
             "vllm:request_success_total",
             "Requests finished, by finish reason.",
@@ -188,7 +196,7 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)  # every series exists, at 0, from the start
         for counter in (self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.iterations,
                         self.token_slots, self.recomputed_tokens, self.queue_rejections,
-                        self.failed_steps):  # fmt: skip
+                        self.failed_steps, self.prefix_cache_queries, self.prefix_cache_hits):  # fmt: skip
             counter.labels(model_name)
         for hist in (self.ttft, self.itl, self.e2e, self.queue_time):
             hist.labels(model_name)
@@ -233,6 +241,8 @@ class ServerMetrics:
             self._mirror(self.token_slots, labels, snap.num_token_slots)
             self._mirror(self.recomputed_tokens, labels, snap.num_recomputed_tokens)
             self._mirror(self.failed_steps, labels, num_failed_steps)
+            self._mirror(self.prefix_cache_queries, labels, snap.num_prefix_queried_tokens)
+            self._mirror(self.prefix_cache_hits, labels, snap.num_prefix_hit_tokens)
             for reason, n in snap.idle_rows_by_reason.items():
                 self._mirror(self.idle_rows, (self.model_name, reason), n)
             self.in_flight.labels(*labels).set(num_in_flight)

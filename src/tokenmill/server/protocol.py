@@ -69,6 +69,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
 
     def check_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -165,10 +166,15 @@ class DetokenizeRequest(_Request):
 # --- responses --------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

@@ -42,6 +42,7 @@ from tokenmill.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     ParamError,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
     to_sampling_params,
@@ -100,7 +101,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise ApiError.from_param_error(exc) from None
 
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    group: RequestGroup = await submit(state, engine_prompts, chat_id)
+    group: RequestGroup = await submit(state, engine_prompts, chat_id, req.cache_salt)
     view = _ChatView(state, req, chat_id, len(prompt_ids))
     if req.stream:
         return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)
@@ -125,6 +126,7 @@ class _ChatView:
         self.want_logprobs = bool(req.logprobs)
         self.include_usage = req.include_usage
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
 
     def token_str(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -149,14 +151,20 @@ class _ChatView:
             )
         return ChatLogprobs(content=content)
 
+    def saw(self, delta: RequestDelta) -> None:
+        """The prompt is counted once for all n choices; so are its cached tokens (the most any choice got)."""
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
     def usage(self, num_completion_tokens: int) -> UsageInfo:
         return UsageInfo(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=self.num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
         )
 
     def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
+        self.num_cached_tokens = max([self.num_cached_tokens, *(r.num_cached_tokens for r in results)])
         choices = [
             ChatChoice(
                 index=index,
@@ -220,6 +228,7 @@ async def _stream(view: _ChatView, group: RequestGroup, state: ServerState) -> A
                 yield failure.sse_event()
                 break
             num_completion_tokens += len(delta.new_token_ids)
+            view.saw(delta)
             choice = view.delta_choice(index, delta)
             if choice is not None:
                 yield view.chunk(choice)

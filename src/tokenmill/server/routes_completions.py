@@ -41,6 +41,7 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ParamError,
+    PromptTokensDetails,
     UsageInfo,
     to_sampling_params,
 )
@@ -88,7 +89,7 @@ async def create_completion(request: Request) -> Response:
         raise ApiError.from_param_error(exc) from None
 
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    group: RequestGroup = await submit(state, engine_prompts, completion_id)
+    group: RequestGroup = await submit(state, engine_prompts, completion_id, req.cache_salt)
     view = _View(state, req, completion_id, [p for p in prompts for _ in range(n)])
     if req.stream:
         return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)
@@ -169,6 +170,22 @@ class _View:
         self.num_prompt_tokens = sum(
             len(p.token_ids) for i, p in enumerate(prompts) if i == 0 or p is not prompts[i - 1]
         )
+        self.cached_by_choice = [0] * len(prompts)
+
+    def saw(self, index: int, num_cached_tokens: int) -> None:
+        self.cached_by_choice[index] = max(self.cached_by_choice[index], num_cached_tokens)
+
+    def usage(self, num_completion_tokens: int) -> UsageInfo:
+        """Each prompt counted once for its n choices; its cached tokens are the most any choice got."""
+        cached: dict[int, int] = {}
+        for prompt, n in zip(self.choice_prompts, self.cached_by_choice, strict=True):
+            cached[id(prompt)] = max(cached.get(id(prompt), 0), n)
+        return UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=self.num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
+        )
 
     def token_str(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -205,6 +222,8 @@ class _View:
         return top
 
     def response(self, results: list[ChoiceResult]) -> CompletionResponse:
+        for index, result in enumerate(results):
+            self.saw(index, result.num_cached_tokens)
         choices = []
         for index, result in enumerate(results):
             text = result.text
@@ -232,11 +251,7 @@ class _View:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=self.num_prompt_tokens,
-                completion_tokens=num_completion,
-                total_tokens=self.num_prompt_tokens + num_completion,
-            ),
+            usage=self.usage(num_completion),
         )
 
     def chunk(self, choice: CompletionChoice) -> str:
@@ -244,11 +259,7 @@ class _View:
         return sse(chunk, exclude=None if self.include_usage else {"usage"})
 
     def usage_chunk(self, num_completion_tokens: int) -> str:
-        usage = UsageInfo(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=self.num_prompt_tokens + num_completion_tokens,
-        )
+        usage = self.usage(num_completion_tokens)
         return sse(
             CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
         )
@@ -287,6 +298,7 @@ async def _stream(view: _View, group: RequestGroup, state: ServerState) -> Async
                 yield failure.sse_event()
                 break
             num_completion_tokens += len(delta.new_token_ids)
+            view.saw(index, delta.num_cached_tokens)
             choice = view.delta_choice(index, delta, not started[index], builders[index])
             started[index] = True
             if choice is not None:
