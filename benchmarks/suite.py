@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
     parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead probe")
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="run tokenmill with prefix caching off (on by default, as in the engine)",
+    )
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file for the peers (default: embedded)")
     args = parser.parse_args(argv)
     args.case_list = _split(args.cases, workloads.ALL_CASES, "--cases")
@@ -137,11 +143,14 @@ class Suite:
         wb = _DTYPE_BYTES[self.dtype]
         out: list[tuple[Runner, list[str]]] = []
         model = str(self.args.gguf) if self.args.gguf else None  # None: tokenmill's embedded model
-        tm = TokenmillRunner(self.device, self.dtype, self.num_threads, model=model)
+        caching = {"enable_prefix_caching": getattr(self.args, "enable_prefix_caching", True)}
+        tm = TokenmillRunner(self.device, self.dtype, self.num_threads, model=model, **caching)
         out.append((self._with_bytes(tm, wb, wb), self.args.case_list))
         int8_cases = [c for c in self.args.case_list if c in self.args.int8_case_list]
         if int8_cases:
-            q = TokenmillRunner(self.device, self.dtype, self.num_threads, quantization="int8", model=model)
+            q = TokenmillRunner(
+                self.device, self.dtype, self.num_threads, quantization="int8", model=model, **caching
+            )
             out.append((self._with_bytes(q, 1.0, wb), int8_cases))
         if "hf" in self.args.peer_list:
             hf = HFStaticRunner(self.gguf, self.device, self.dtype, self.args.hf_batch_size)

@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | info | bench batching | bench serve`: builds configs, nothing else."""
+"""`tokenmill generate | chat | serve | info | bench batching | bench serve | bench multiturn`: builds configs, nothing else."""
 
 from __future__ import annotations
 
@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_b = bench.add_parser("serve", help="Poisson arrivals against a running server over HTTP")
     add_bench_serve_arguments(serve_b)
     serve_b.set_defaults(func=run_bench_serve)
+    from tokenmill.bench.multiturn import add_bench_multiturn_arguments, run_bench_multiturn
+
+    multiturn = bench.add_parser(
+        "multiturn", help="chat conversations turn after turn: TTFT and prefix-cache share per turn"
+    )
+    add_bench_multiturn_arguments(multiturn)
+    multiturn.set_defaults(func=run_bench_multiturn)
     return parser
 
 

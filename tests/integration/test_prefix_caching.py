@@ -121,3 +121,33 @@ def test_server_cached_tokens_agree_with_the_metrics(server: ServerProcess) -> N
         with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=chat, timeout=60) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
     assert '"cached_tokens":' in lines[-1] and '"cached_tokens":0' not in lines[-1]
+
+
+def test_multiturn_bench_reports_the_cache_share_per_turn(server: ServerProcess) -> None:
+    import argparse
+
+    from tokenmill.bench.multiturn import add_bench_multiturn_arguments, report, run
+
+    parser = argparse.ArgumentParser()
+    add_bench_multiturn_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--base-url",
+            server.base_url,
+            "--num-conversations",
+            "2",
+            "--num-turns",
+            "3",
+            "--answer-tokens",
+            "4",
+        ]
+    )
+    import asyncio
+
+    conversations = asyncio.run(run(args))
+    assert [len(c.turns) for c in conversations] == [3, 3]
+    for c in conversations:
+        assert c.turns[0].cached_tokens == 0 and 0 < c.turns[1].cached_tokens < c.turns[2].cached_tokens
+        assert all(t.ttft_s > 0 for t in c.turns)
+    text = report(conversations)
+    assert text.splitlines()[0].startswith("turn") and len(text.splitlines()) == 4

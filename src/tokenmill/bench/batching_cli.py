@@ -169,6 +169,13 @@ def run_bench_batching(args: argparse.Namespace) -> int:
         print(header)
         print()
         print(format_batching_report(result.static, result.continuous, result.comparison))
+        stats = result.engine_stats or {}
+        if stats.get("num_prefix_hit_tokens"):
+            queried, hit = stats["num_prefix_queried_tokens"], stats["num_prefix_hit_tokens"]
+            print(
+                f"prefix cache: {hit} of {queried} tokens looked up were cached ({hit / queried:.1%}), "
+                f"{stats.get('num_prefix_evicted_blocks', 0)} blocks evicted"
+            )
     if args.plot:
         from tokenmill.bench.plot import plot_batching
 
