@@ -101,6 +101,7 @@ class Engine:
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
         self._ids = itertools.count()
+        self._structured_outputs: Any = None
 
     def _blocks_from_budget(self, bytes_per_block: int) -> int:
         budget = self.config.kv_cache_memory_bytes
@@ -152,6 +153,10 @@ class Engine:
             prompt=text,
             cache_salt=cache_salt,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self._structured().compile(
+                params.structured_outputs
+            )  # ValueError: bad constraint
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,
@@ -162,6 +167,16 @@ class Engine:
         self.scheduler.add_request(request)  # raises ValueError when it could never fit
         self._requests[request_id] = request
         return request_id
+
+    def _structured(self) -> Any:
+        """The engine's llguidance state, built at the first constrained request (~1 s: the tokenizer)."""
+        if self._structured_outputs is None:
+            from tokenmill.structured_outputs import StructuredOutputs
+
+            self._structured_outputs = StructuredOutputs(
+                self.tokenizer.to_json(), self.loaded.config.vocab_size, sorted(self.tokenizer.eos_token_ids)
+            )
+        return self._structured_outputs
 
     def validate_token_ids(self, prompt: Sequence[int]) -> list[int]:
         token_ids = list(prompt)
@@ -228,10 +243,26 @@ class Engine:
             return self._report(result, self.scheduler.fail_step(scheduler_output, message, now_s), now_s)
         now_s = self.clock()
         touched = self.scheduler.update_from_output(scheduler_output, runner_output, now_s)
+        self._advance_grammars(touched, now_s)
         for request_id, entries in runner_output.prompt_logprobs.items():
             request = self._requests[request_id]
             request.prompt_logprobs = (request.prompt_logprobs or []) + list(entries)
         return self._report(result, touched, now_s)
+
+    def _advance_grammars(self, touched: list[Request], now_s: float) -> None:
+        """Feed each constrained request's matcher its new tokens; a complete grammar ends it ("stop")."""
+        from tokenmill.structured_outputs import advance
+
+        for request in touched:
+            if request.grammar is None or request.is_finished:
+                continue
+            outcome = advance(request.grammar, request.output_token_ids[request.num_grammar_tokens :])
+            request.num_grammar_tokens = request.num_output_tokens
+            if outcome == "stop":
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, now_s=now_s)
+            elif outcome is not None:
+                request.error = outcome
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED, now_s=now_s)
 
     def _report(self, result: StepResult, touched: list[Request], now_s: float) -> StepResult:
         """A delta for every request the step touched or that was aborted since the last one."""

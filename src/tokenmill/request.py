@@ -104,6 +104,10 @@ class Request:
     output_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
     detokenizer: Any = None
+    # Constrained decoding (tokenmill.structured_outputs): the llguidance matcher, and how many output tokens
+    # it has consumed (the engine advances it; the sampler reads its mask).
+    grammar: Any = None
+    num_grammar_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

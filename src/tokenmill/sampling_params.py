@@ -7,6 +7,44 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's shape: exactly one of ``json`` (a JSON schema, as a dict or a JSON
+    string), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark, as llguidance
+    reads it) or ``json_object=True`` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; got {given}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs: choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> str:
+        """A stable identity for the compiled-grammar cache."""
+        import json
+
+        return json.dumps(
+            {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+             "json_object": self.json_object},
+            sort_keys=True,
+        )  # fmt: skip
 
 
 @dataclass
@@ -34,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
     prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token (the first is None)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (llguidance)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +112,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -199,6 +199,10 @@ class Tokenizer:
         )
 
     # --- tokens -------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """The backend tokenizer as Hugging Face ``tokenizer.json`` text (what llguidance reads)."""
+        return str(self._backend.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for ``text``; with ``add_special_tokens`` adds BOS (or EOS) only where the model's tokenizer does."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -200,7 +200,11 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 async def submit(
-    state: ServerState, prompts: list[tuple[list[int], Any]], request_id: str, cache_salt: str | None = None
+    state: ServerState,
+    prompts: list[tuple[list[int], Any]],
+    request_id: str,
+    cache_salt: str | None = None,
+    structured_param: str | None = None,
 ) -> Any:
     """AsyncEngine.submit with its refusals mapped to HTTP: 429 (queue), 503 (draining/dead), 400 (input)."""
     try:
@@ -218,6 +222,9 @@ async def submit(
         )
         if param is None and message.startswith("n: "):
             param = "n"
+        if param is None and message.startswith("structured_outputs"):  # the constraint did not compile
+            param = structured_param or "structured_outputs"
+            message = message.replace("structured_outputs", param, 1)
         if param is None and message.startswith("request "):  # the scheduler: it could never fit
             param = "max_tokens"
         raise ApiError.bad_request(message, param=param) from None

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # choices per request: each is its own engine request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound. Each is checked against the text at every token.
@@ -45,6 +45,34 @@ class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs`` request field."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def model_dump(self, **kw: Any) -> dict[str, Any]:  # type: ignore[override]
+        out = super().model_dump(**kw)
+        if "json_" in out:
+            out["json"] = out.pop("json_")
+        return out
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
@@ -70,6 +98,46 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's constraint and the field that gave it; ParamError for two at once or a bad one."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            if rf.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            else:
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ParamError(
+                        "response_format: json_schema.schema is required", param="response_format"
+                    )
+                given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True)
+            if fields.get("json_object") is False:
+                del fields["json_object"]
+            given.append(("structured_outputs", fields))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise ParamError(f"give one output constraint, got {names}", param=given[1][0])
+        name, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields), name
+        except ValueError as exc:
+            raise ParamError(str(exc).replace("structured_outputs", name, 1), param=name) from None
 
     def check_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -371,6 +439,7 @@ def to_sampling_params(
 ) -> SamplingParams:
     """The SamplingParams for one choice; ParamError (naming the request field) for an invalid value."""
     req.check_stops()
+    structured, _ = req.structured()
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]
@@ -394,6 +463,7 @@ def to_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         message = str(exc)

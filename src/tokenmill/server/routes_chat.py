@@ -101,7 +101,9 @@ async def create_chat_completion(request: Request) -> Response:
         raise ApiError.from_param_error(exc) from None
 
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    group: RequestGroup = await submit(state, engine_prompts, chat_id, req.cache_salt)
+    group: RequestGroup = await submit(
+        state, engine_prompts, chat_id, req.cache_salt, structured_param=req.structured()[1]
+    )
     view = _ChatView(state, req, chat_id, len(prompt_ids))
     if req.stream:
         return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)

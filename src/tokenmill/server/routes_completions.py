@@ -89,7 +89,9 @@ async def create_completion(request: Request) -> Response:
         raise ApiError.from_param_error(exc) from None
 
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    group: RequestGroup = await submit(state, engine_prompts, completion_id, req.cache_salt)
+    group: RequestGroup = await submit(
+        state, engine_prompts, completion_id, req.cache_salt, structured_param=req.structured()[1]
+    )
     view = _View(state, req, completion_id, [p for p in prompts for _ in range(n)])
     if req.stream:
         return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)

@@ -5,6 +5,7 @@ Per row, in order (each step touches only the rows that asked for it)::
     raw logits ──┬─> log_softmax ──> logprobs of the sampled token and the top k   (raw distribution)
                  └─> repetition / frequency / presence penalties
                      -> logit_bias -> min_tokens (EOS and stop tokens masked)
+                     -> the grammar's allowed tokens (constrained rows only: structured_outputs)
                      -> temperature 0: argmax
                         otherwise:   / temperature -> top_k -> top_p -> min_p -> exponential race
 
@@ -24,6 +25,7 @@ from tokenmill.core.sched_output import SampledToken
 from tokenmill.outputs import Logprob
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_outputs import apply_masks
 
 # Below this temperature a row is greedy: dividing by it would overflow float32 for no visible difference.
 _MIN_TEMPERATURE = 1e-5
@@ -49,6 +51,7 @@ class Sampler:
         _apply_penalties(processed, requests)
         _apply_logit_bias(processed, params)
         _apply_min_tokens(processed, requests)
+        apply_masks(processed, [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None])
         token_ids = self._choose(processed, requests)  # (B,)
         return _package(logits, token_ids, params)
 

@@ -1,0 +1,113 @@
+"""Constrained decoding through llguidance: a grammar per constrained request, the allowed-token mask for
+its next position, and the advance on each sampled token.
+
+:class:`StructuredOutputs` belongs to the engine. ``compile(params)`` turns a
+:class:`~tokenmill.sampling_params.StructuredOutputsParams` into llguidance's grammar text (cached by the
+constraint, so a schema every request repeats is translated once) and returns a fresh ``LLMatcher`` for one
+request, or raises ValueError with llguidance's reason (an invalid schema, a regex or grammar it rejects).
+The matcher lives on the request (``Request.grammar``, opaque to the scheduler); the sampler asks it for the
+mask of constrained rows only (``fill_masks`` / ``apply_masks``); the engine feeds it every token the request
+appends (``advance``), so a request preempted and recomputed keeps its matcher as it was: its output tokens
+were consumed once, and recomputation appends none. When the grammar is complete the request ends with
+finish_reason ``"stop"``.
+
+Why llguidance over xgrammar: it builds the grammar lazily, so a new JSON schema costs no ahead-of-time
+compile (measured in the closing note of the session that chose it), and it reads Lark, regexes and JSON
+schemas directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tokenmill.sampling_params import StructuredOutputsParams
+
+_BYTE_BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8]
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        import llguidance
+
+        self._ll = llguidance
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
+        self._grammars: dict[str, str] = {}  # constraint key -> llguidance grammar text
+
+    def grammar_text(self, params: StructuredOutputsParams) -> str:
+        key = params.key
+        text = self._grammars.get(key)
+        if text is None:
+            text = self._translate(params)
+            error = self._ll.LLMatcher.validate_grammar(text, self.tokenizer)
+            if error:
+                raise ValueError(f"structured_outputs: {error}")
+            self._grammars[key] = text
+        return text
+
+    def _translate(self, params: StructuredOutputsParams) -> str:
+        matcher = self._ll.LLMatcher
+        try:
+            if params.json is not None:
+                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+                if not isinstance(schema, dict):
+                    raise ValueError("a JSON schema must be an object")
+                return str(matcher.grammar_from_json_schema(schema))
+            if params.json_object:
+                return str(matcher.grammar_from_json_schema({"type": "object"}))
+            if params.regex is not None:
+                return str(matcher.grammar_from_regex(params.regex))
+            if params.choice is not None:
+                alternatives = " | ".join(json.dumps(c) for c in params.choice)
+                return str(matcher.grammar_from_lark(f"start: {alternatives}"))
+            assert params.grammar is not None
+            return str(matcher.grammar_from_lark(params.grammar))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"structured_outputs: {exc}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher for one request."""
+        matcher = self._ll.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+        return matcher
+
+
+def apply_masks(logits: torch.Tensor, matchers: Sequence[tuple[int, Any]]) -> None:
+    """Set to -inf, in place, every token the row's grammar does not allow next. ``matchers``: (row, matcher)
+    for the constrained rows only; ``logits`` [B, V]."""
+    if not matchers:
+        return
+    vocab = logits.shape[1]
+    num_words = (vocab + 31) // 32
+    bitmask = torch.empty((len(matchers), num_words), dtype=torch.int32)  # [n, ceil(V / 32)]
+    for i, (_, matcher) in enumerate(matchers):
+        row = bitmask[i]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    # little-endian words as bytes: bit b of byte k allows token 8k + b. [n, 4W] -> [n, 4W, 8] -> [n, V]
+    as_bytes = bitmask.view(torch.uint8)
+    blocked = (as_bytes.unsqueeze(-1) & _BYTE_BITS) == 0
+    blocked = blocked.reshape(len(matchers), num_words * 32)[:, :vocab]
+    rows = [r for r, _ in matchers]
+    if rows == list(range(logits.shape[0])):  # every row constrained: no gather, no scatter
+        logits.masked_fill_(blocked, float("-inf"))
+        return
+    index = torch.tensor(rows, dtype=torch.long)
+    logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+
+
+def advance(matcher: Any, token_ids: Sequence[int]) -> str | None:
+    """Feed the matcher tokens the request appended. Returns "stop" when the grammar is complete, an error
+    message when a token was not allowed (cannot happen under the mask but for EOS-less stops), else None."""
+    for token in token_ids:
+        if not matcher.consume_token(token):
+            return f"structured output: token {token} does not fit the grammar ({matcher.get_error()})"
+    if matcher.is_stopped():
+        return "stop"
+    return None
