@@ -262,9 +262,20 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template does anything with ``tools`` (Hugging Face templates that support them)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Template then encode; the BOS a template writes itself is not doubled."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        ids = self.encode(text)
         bos = self.bos_token_id
         if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
             del ids[0]

@@ -68,6 +68,7 @@ def build_app(
     body_timeout_s: float = 30.0,
     cors: dict[str, Any] | None = None,
     max_header_bytes: int | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
@@ -81,6 +82,7 @@ def build_app(
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager

@@ -39,6 +39,7 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     body_timeout_s: float = 30.0
+    tool_call_parser: str = "hermes"
 
 
 def get_state(request: Request) -> ServerState:

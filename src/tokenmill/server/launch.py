@@ -93,6 +93,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="failed steps in a row after which /health turns 503 and the process exits with status 3",
     )
+    s.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "llama3_json"],
+        help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; llama3_json: a JSON object)",
+    )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
@@ -153,6 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         cors=cors,
         max_header_bytes=args.max_header_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",

@@ -174,15 +174,53 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(_Request):
+    """An earlier call, in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only
 
     @model_validator(mode="after")
     def _content_only_null_for_assistant(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":  # OpenAI: only an assistant turn may omit it
             raise ValueError(f"content is required for a {self.role} message (null only for assistant)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
         return self
 
     def text(self) -> str:
@@ -208,11 +246,51 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def active_tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call (none with tool_choice "none"); ParamError for a bad choice."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise ParamError("tools: function names must be distinct", param="tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ParamError(
+                    f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                    param="tool_choice",
+                )
+            return [t for t in tools if t["function"]["name"] == choice.function.name]
+        if choice in ("required",) and not tools:
+            raise ParamError('tool_choice "required" needs tools', param="tool_choice")
+        return [] if choice == "none" else tools
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def template_messages(self, parser: str = "hermes") -> list[dict[str, str]]:
+        """The history as the chat template takes it; earlier tool calls written back in the model's format."""
+        from tokenmill.server.tool_calls import render_call
+
         if not self.messages:
             raise ParamError("messages must not be empty", param="messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            content = m.text()
+            for call in m.tool_calls or []:
+                try:
+                    rendered = render_call(call.function.name, call.function.arguments, parser)
+                except ValueError:
+                    raise ParamError(
+                        "tool_calls: arguments must be a JSON object string", param="messages"
+                    ) from None
+                content = f"{content}\n{rendered}" if content else rendered
+            out.append({"role": m.role, "content": content})
+        return out
 
 
 class TokenizeRequest(_Request):
@@ -296,9 +374,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -324,14 +414,17 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's chunks: index, id, type, function
 
     @model_serializer
-    def _drop_unset(self) -> dict[str, str]:
-        out: dict[str, str] = {}
+    def _drop_unset(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         if self.role is not None:
             out["role"] = self.role
         if self.content is not None:
             out["content"] = self.content
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
         return out
 
 

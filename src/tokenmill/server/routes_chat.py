@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -12,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.outputs import Logprob, RequestDelta
+from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup, collect
 from tokenmill.server.common import (
     SSE_DONE,
@@ -41,24 +43,38 @@ from tokenmill.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    FunctionCallOut,
     ParamError,
     PromptTokensDetails,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     to_sampling_params,
 )
+from tokenmill.server.tool_calls import fallback_system_prompt, forced_call_grammar
+from tokenmill.server.tool_calls import parse as parse_tool_calls
 
 router = APIRouter()
 
 
 def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids: the chat template applied to ``messages``; ParamError when it cannot be."""
-    messages = req.template_messages()
+    messages = req.template_messages(state.tool_call_parser)
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
+    tokenizer = state.async_engine.tokenizer
+    tools = req.active_tools()
+    template_tools = None
+    if tools and getattr(tokenizer, "template_renders_tools", False):
+        template_tools = tools
+    elif tools:  # the template cannot show them: tokenmill's system message does (tool_calls.py)
+        prompt = fallback_system_prompt(tools, state.tool_call_parser)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
     try:
-        token_ids = state.async_engine.tokenizer.encode_chat(
-            messages, add_generation_prompt=add_generation_prompt
-        )
+        kwargs = {} if template_tools is None else {"tools": template_tools}
+        token_ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except ValueError as exc:
         raise ParamError(str(exc), param="messages") from None
     if not token_ids:
@@ -97,12 +113,22 @@ async def create_chat_completion(request: Request) -> Response:
                 chat=True,
             )
             engine_prompts.append((prompt_ids, params))
+        if req.forces_tool_call:  # "required" or a named function: the grammar writes a valid call
+            if req.structured()[1] is not None:
+                raise ParamError("tool_choice forcing a call cannot be combined with an output constraint",
+                                 param="tool_choice")  # fmt: skip
+            grammar = forced_call_grammar(
+                req.active_tools(), state.tool_call_parser, req.parallel_tool_calls is True
+            )
+            constraint = StructuredOutputsParams(grammar=grammar)
+            engine_prompts = [(ids, replace(p, structured_outputs=constraint)) for ids, p in engine_prompts]
     except ParamError as exc:
         raise ApiError.from_param_error(exc) from None
 
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+    structured_param = "tools" if req.forces_tool_call else req.structured()[1]
     group: RequestGroup = await submit(
-        state, engine_prompts, chat_id, req.cache_salt, structured_param=req.structured()[1]
+        state, engine_prompts, chat_id, req.cache_salt, structured_param=structured_param
     )
     view = _ChatView(state, req, chat_id, len(prompt_ids))
     if req.stream:
@@ -129,6 +155,9 @@ class _ChatView:
         self.include_usage = req.include_usage
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
+        self.parser = state.tool_call_parser
+        self.tool_names = {t["function"]["name"] for t in req.active_tools()}
+        self.buffers: dict[int, str] = {}  # with tools, each choice's text until it ends (calls parse whole)
 
     def token_str(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -167,16 +196,18 @@ class _ChatView:
 
     def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
         self.num_cached_tokens = max([self.num_cached_tokens, *(r.num_cached_tokens for r in results)])
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(content=result.text),
-                logprobs=self.logprobs(result.token_ids, result.logprobs) if self.want_logprobs else None,
-                finish_reason=result.finish_reason,
-                stop_reason=result.stop_reason,
+        choices = []
+        for index, result in enumerate(results):
+            message, finish_reason = self.message(result.text, result.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=self.logprobs(result.token_ids, result.logprobs) if self.want_logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=result.stop_reason,
+                )
             )
-            for index, result in enumerate(results)
-        ]
         num_completion = sum(len(r.token_ids) for r in results)
         return ChatCompletionResponse(
             id=self.id,
@@ -186,6 +217,18 @@ class _ChatView:
             usage=self.usage(num_completion),
         )
 
+    def message(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        """The answer, its tool calls parsed out when tools were offered (finish_reason then "tool_calls")."""
+        if not self.tool_names:
+            return ChatResponseMessage(content=text), finish_reason
+        content, calls = parse_tool_calls(text, self.parser, self.tool_names)
+        if not calls:
+            return ChatResponseMessage(content=text), finish_reason
+        out = [
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls
+        ]
+        return ChatResponseMessage(content=content, tool_calls=out), "tool_calls"
+
     def chunk(self, choice: ChatStreamChoice) -> str:
         chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         return sse(chunk, exclude=None if self.include_usage else {"usage"})
@@ -194,6 +237,22 @@ class _ChatView:
         return self.chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
 
     def delta_choice(self, index: int, delta: RequestDelta) -> ChatStreamChoice | None:
+        if self.tool_names:  # held back until the end: a call is parsed whole
+            self.buffers[index] = self.buffers.get(index, "") + delta.new_text
+            if not delta.finished:
+                return None
+            message, finish_reason = self.message(self.buffers.pop(index), delta.finish_reason)
+            tool_calls = [
+                {"index": i, "id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for i, c in enumerate(message.tool_calls or [])
+            ] or None  # fmt: skip
+            return ChatStreamChoice(
+                index=index,
+                delta=ChatDelta(content=message.content, tool_calls=tool_calls),
+                finish_reason=finish_reason,
+                stop_reason=delta.stop_reason,
+            )
         logprobs = None
         if self.want_logprobs and delta.new_token_ids:
             logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs)

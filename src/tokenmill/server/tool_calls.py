@@ -1,0 +1,122 @@
+"""OpenAI tool calling over a model that writes calls as text: the tools into the prompt, the grammar that
+forces a call, and the parser that turns the model's text back into ``message.tool_calls``.
+
+Formats (``--tool-call-parser``, vLLM's names):
+
+- ``hermes`` (Hermes, Qwen; the default, and what the fallback prompt teaches the embedded model)::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- ``llama3_json`` (Llama 3.1): the whole answer is ``{"name": ..., "parameters": {...}}`` (an optional
+  ``<|python_tag|>`` first).
+
+The tools reach the prompt through the chat template when it renders them (its source mentions ``tools``;
+Hugging Face templates take ``tools=``). Otherwise (SmolLM2's template) a system message, written below,
+lists them with the format to answer in; it goes first, merged into the request's own system message.
+``tool_choice="required"`` or a named function is enforced with a Lark grammar whose call is llguidance's
+``%json`` of the function's parameter schema, so the arguments always parse and validate; ``"auto"`` leaves
+the model free and parses whatever calls it wrote; ``"none"`` sends no tools at all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+PARSERS = ("hermes", "llama3_json")
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+    id: str
+
+
+def fallback_system_prompt(tools: list[dict[str, Any]], parser: str) -> str:
+    """Tools for a template that cannot render them, in the words and format the parser reads."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if parser == "llama3_json":
+        fmt = 'answer with only a JSON object {"name": <function name>, "parameters": <arguments object>}'
+    else:
+        fmt = (
+            "return each call inside <tool_call></tool_call> tags as a JSON object "
+            '{"name": <function name>, "arguments": <arguments object>}'
+        )
+    return (
+        "You may call one or more functions to answer the user. The functions are listed in <tools></tools>:\n"
+        f"<tools>\n{listing}\n</tools>\nTo call a function, {fmt}. Otherwise answer in plain text."
+    )
+
+
+def render_call(name: str, arguments: str, parser: str) -> str:
+    """An assistant turn's earlier call, written back into the history in the model's format."""
+    args = json.loads(arguments) if arguments else {}
+    if parser == "llama3_json":
+        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
+
+
+def _call_schema(tool: dict[str, Any], parser: str) -> dict[str, Any]:
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, key: params},
+        "required": ["name", key],
+        "additionalProperties": False,
+    }
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], parser: str, parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) whose every sentence is one call (or several, ``parallel``) of
+    one of ``tools``, the arguments valid for that function's JSON schema."""
+    schemas = [_call_schema(t, parser) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = json.dumps(schema)
+    if parser == "llama3_json":
+        return f"start: call\ncall: %json {body}\n"
+    block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+    start = 'start: block ("\\n" block)*' if parallel else "start: block"
+    return f"{start}\n{block}\ncall: %json {body}\n"
+
+
+def parse(text: str, parser: str, tool_names: set[str]) -> tuple[str | None, list[ParsedCall]]:
+    """(content left outside the calls or None, the calls); text that names no known function stays text."""
+    calls: list[ParsedCall] = []
+    if parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        call = _decode(body, "parameters", tool_names)
+        return (None, [call]) if call is not None else (text, [])
+    rest = text
+    for match in _HERMES_CALL.finditer(text):
+        call = _decode(match.group(1), "arguments", tool_names)
+        if call is not None:
+            calls.append(call)
+            rest = rest.replace(match.group(0), "", 1)
+    if not calls:
+        return text, []
+    content = rest.strip()
+    return (content or None), calls
+
+
+def _decode(body: str, key: str, tool_names: set[str]) -> ParsedCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tool_names:
+        return None
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(
+        name=obj["name"], arguments=json.dumps(args, ensure_ascii=False), id=f"call_{uuid.uuid4().hex[:24]}"
+    )
