@@ -1,6 +1,6 @@
 """The OpenAI wire protocol as pydantic models: requests in, responses and stream chunks out.
 
-Requests are strict: a field tokenmill does not implement (``tools``, ``response_format``, a typo) is a 400
+Requests are strict: a field tokenmill does not implement (``audio``, a typo) is a 400
 naming it, never silently ignored, and JSON types are not coerced (``"stream": "yes"`` and ``"n": "2"`` are
 400s). Every known field may be ``null``, which means "the default". Range checks live in
 :class:`~tokenmill.sampling_params.SamplingParams`, so one place decides what a valid temperature is;
