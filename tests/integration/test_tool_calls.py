@@ -141,3 +141,33 @@ def test_parsers_and_grammar_offline() -> None:
     )
     assert content is None and json.loads(calls[0].arguments) == {"zone": "UTC"}
     assert "%json" in forced_call_grammar([WEATHER], "llama3_json", False)
+
+
+def test_streamable_prefix_holds_back_a_possible_call() -> None:
+    from tokenmill.server.tool_calls import streamable_prefix
+
+    assert streamable_prefix("Hello there", "hermes") == 11
+    assert streamable_prefix("Hello <tool", "hermes") == 6  # could be a call starting
+    assert streamable_prefix("Hi <tool_call>{", "hermes") == 3
+    assert streamable_prefix("Hi <b>", "hermes") == 6
+    assert streamable_prefix('{"name"', "llama3_json") == 0 and streamable_prefix("Sure", "llama3_json") == 4
+
+
+def test_auto_text_answer_streams_the_same_text(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "Say hello to me in one short sentence."}]
+    whole = client.chat.completions.create(
+        model=model, messages=ask, tools=[WEATHER], max_tokens=30, temperature=0
+    ).choices[0]
+    stream = client.chat.completions.create(
+        model=model, messages=ask, tools=[WEATHER], max_tokens=30, temperature=0, stream=True
+    )
+    pieces, calls = [], []
+    for chunk in stream:
+        for ch in chunk.choices:
+            pieces.append(ch.delta.content or "")
+            calls.extend(ch.delta.tool_calls or [])
+    if whole.message.tool_calls:
+        assert calls and calls[0].function.name == whole.message.tool_calls[0].function.name
+    else:
+        assert "".join(pieces) == whole.message.content and len([p for p in pieces if p]) > 1  # streamed

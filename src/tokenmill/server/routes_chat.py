@@ -51,7 +51,7 @@ from tokenmill.server.protocol import (
     UsageInfo,
     to_sampling_params,
 )
-from tokenmill.server.tool_calls import fallback_system_prompt, forced_call_grammar
+from tokenmill.server.tool_calls import fallback_system_prompt, forced_call_grammar, streamable_prefix
 from tokenmill.server.tool_calls import parse as parse_tool_calls
 
 router = APIRouter()
@@ -157,7 +157,8 @@ class _ChatView:
         self.num_cached_tokens = 0
         self.parser = state.tool_call_parser
         self.tool_names = {t["function"]["name"] for t in req.active_tools()}
-        self.buffers: dict[int, str] = {}  # with tools, each choice's text until it ends (calls parse whole)
+        self.buffers: dict[int, str] = {}  # with tools: each choice's text so far (calls are parsed whole)
+        self.sent: dict[int, int] = {}  # ... and how much of it went out as content
 
     def token_str(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -237,22 +238,8 @@ class _ChatView:
         return self.chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
 
     def delta_choice(self, index: int, delta: RequestDelta) -> ChatStreamChoice | None:
-        if self.tool_names:  # held back until the end: a call is parsed whole
-            self.buffers[index] = self.buffers.get(index, "") + delta.new_text
-            if not delta.finished:
-                return None
-            message, finish_reason = self.message(self.buffers.pop(index), delta.finish_reason)
-            tool_calls = [
-                {"index": i, "id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                for i, c in enumerate(message.tool_calls or [])
-            ] or None  # fmt: skip
-            return ChatStreamChoice(
-                index=index,
-                delta=ChatDelta(content=message.content, tool_calls=tool_calls),
-                finish_reason=finish_reason,
-                stop_reason=delta.stop_reason,
-            )
+        if self.tool_names:
+            return self._tool_delta_choice(index, delta)
         logprobs = None
         if self.want_logprobs and delta.new_token_ids:
             logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs)
@@ -265,6 +252,36 @@ class _ChatView:
             finish_reason=delta.finish_reason if delta.finished else None,
             stop_reason=delta.stop_reason if delta.finished else None,
         )
+
+    def _tool_delta_choice(self, index: int, delta: RequestDelta) -> ChatStreamChoice | None:
+        """With tools offered: text streams as it comes until it could be the start of a call (tool_calls.
+        streamable_prefix); from there it is held, and at the end the calls go out as ``delta.tool_calls``."""
+        text = self.buffers.get(index, "") + delta.new_text
+        self.buffers[index] = text
+        sent = self.sent.get(index, 0)
+        if not delta.finished:
+            ready = streamable_prefix(text, self.parser)
+            if ready <= sent:
+                return None
+            self.sent[index] = ready
+            return ChatStreamChoice(index=index, delta=ChatDelta(content=text[sent:ready]))
+        del self.buffers[index]
+        self.sent.pop(index, None)
+        message, finish_reason = self.message(text, delta.finish_reason)
+        if not message.tool_calls:
+            return ChatStreamChoice(
+                index=index, delta=ChatDelta(content=text[sent:]), finish_reason=finish_reason,
+                stop_reason=delta.stop_reason,
+            )  # fmt: skip
+        tool_calls = [
+            {"index": i, "id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for i, c in enumerate(message.tool_calls)
+        ]  # fmt: skip
+        return ChatStreamChoice(
+            index=index, delta=ChatDelta(tool_calls=tool_calls), finish_reason=finish_reason,
+            stop_reason=delta.stop_reason,
+        )  # fmt: skip
 
     def usage_chunk(self, num_completion_tokens: int) -> str:
         chunk = ChatCompletionChunk(

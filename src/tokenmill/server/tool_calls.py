@@ -88,6 +88,25 @@ def forced_call_grammar(tools: list[dict[str, Any]], parser: str, parallel: bool
     return f"{start}\n{block}\ncall: %json {body}\n"
 
 
+def streamable_prefix(text: str, parser: str) -> int:
+    """How much of a partial answer can stream as content: all of it up to where a call starts or could
+    be starting (a tail that is a prefix of the opening tag). llama3_json answers that open with ``{`` or
+    the python tag are held whole."""
+    if parser == "llama3_json":
+        head = text.lstrip()
+        if head.startswith("{") or head.startswith("<|python_tag|>") or "<|python_tag|>".startswith(head):
+            return 0
+        return len(text)
+    opening = "<tool_call>"
+    at = text.find(opening)
+    if at >= 0:
+        return at
+    for keep in range(min(len(opening) - 1, len(text)), 0, -1):
+        if text.endswith(opening[:keep]):
+            return len(text) - keep
+    return len(text)
+
+
 def parse(text: str, parser: str, tool_names: set[str]) -> tuple[str | None, list[ParsedCall]]:
     """(content left outside the calls or None, the calls); text that names no known function stays text."""
     calls: list[ParsedCall] = []
