@@ -19,6 +19,7 @@ schemas directly.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,11 +30,25 @@ from tokenmill.sampling_params import StructuredOutputsParams
 _BYTE_BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8]
 
 
+COMPILE_TIMEOUT_S = 5.0  # a constraint whose grammar and first mask take longer is refused
+
+
 class StructuredOutputs:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    """llguidance bounds its own work by "fuel" (lexer states, grammar size; its defaults, about tens of ms a
+    step), so a pathological schema or regex ends in an error rather than a hang; on top of that a
+    constraint whose grammar plus first mask take more than ``compile_timeout_s`` of wall time is refused."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+    ) -> None:
         import llguidance
 
         self._ll = llguidance
+        self.compile_timeout_s = compile_timeout_s
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
@@ -72,10 +87,21 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs: {exc}") from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher for one request."""
+        """A fresh matcher for one request, its first mask computed (so a grammar that fails lazily fails here,
+        as a ValueError, not in the middle of a batch)."""
+        start_s = time.perf_counter()
         matcher = self._ll.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
+        first = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
+        if not matcher.is_error():
+            matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * first.element_size())
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
+        elapsed_s = time.perf_counter() - start_s
+        if elapsed_s > self.compile_timeout_s:
+            raise ValueError(
+                f"structured_outputs: compiling the constraint took {elapsed_s:.2f} s, over the "
+                f"{self.compile_timeout_s:g} s limit"
+            )
         return matcher
 
 

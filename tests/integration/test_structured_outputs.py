@@ -162,3 +162,17 @@ def test_bad_constraints_are_value_errors(make_engine: Any) -> None:
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
     assert not engine.has_unfinished()
+
+
+def test_a_compile_past_the_time_limit_is_refused(make_engine: Any) -> None:
+    engine = make_engine()
+    structured = engine._structured()
+    structured.compile_timeout_s = 0.0  # every compile is over it
+    try:
+        with pytest.raises(ValueError, match="over the 0 s limit"):
+            engine.add_request(
+                "hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+            )
+    finally:
+        structured.compile_timeout_s = 5.0
+    assert not engine.has_unfinished()
