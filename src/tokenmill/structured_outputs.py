@@ -11,9 +11,11 @@ appends (``advance``), so a request preempted and recomputed keeps its matcher a
 were consumed once, and recomputation appends none. When the grammar is complete the request ends with
 finish_reason ``"stop"``.
 
-Why llguidance over xgrammar: it builds the grammar lazily, so a new JSON schema costs no ahead-of-time
-compile (measured in the closing note of the session that chose it), and it reads Lark, regexes and JSON
-schemas directly.
+Why llguidance over xgrammar (measured on the embedded tokenizer, a 4-field nested schema, 2 cores of a KVM
+Xeon, 2026-12-01): llguidance goes from schema to matcher in 1.0 ms (it builds lazily), xgrammar compiles in
+5.4-6.6 ms; xgrammar's masks are faster (0.43 against 1.20 ms for 64 rows inside a string value), both far
+below a 110 ms batch-64 step. llguidance also reads Lark with JSON schemas inline (``%json``), which the
+forced tool call uses (``server/tool_calls.py``), and regexes directly.
 """
 
 from __future__ import annotations
