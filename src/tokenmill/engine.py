@@ -154,9 +154,8 @@ class Engine:
             cache_salt=cache_salt,
         )
         if params.structured_outputs is not None:
-            request.grammar = self._structured().compile(
-                params.structured_outputs
-            )  # ValueError: bad constraint
+            # a bad constraint raises ValueError here, before the request is queued
+            request.grammar = self._structured().compile(params.structured_outputs)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,

@@ -153,9 +153,8 @@ class Scheduler:
             request = self.waiting[0]
             # The longest cached prefix counts as computed. A request that wants prompt logprobs skips the
             # cache: its logprobs need the logits of every prompt position.
-            cached: list[int] = []
-            if request.sampling_params.prompt_logprobs is None:
-                cached = self.kv.find_cached_prefix(request)
+            use_cache = self.kv.enable_caching and request.sampling_params.prompt_logprobs is None
+            cached = self.kv.find_cached_prefix(request) if use_cache else []
             request.num_computed_tokens = len(cached) * self.block_size
             num_new = min(request.num_tokens_to_compute, budget)
             lookahead = 1 if request.num_preemptions else 0  # anti-thrash: room to make progress
@@ -166,7 +165,7 @@ class Scheduler:
                 ):
                     return IdleReason.KV_RESERVED
                 return IdleReason.KV_POOL_FULL
-            if self.kv.enable_caching and request.sampling_params.prompt_logprobs is None:
+            if use_cache:
                 out.record.num_prefix_queried_tokens += request.num_tokens
                 out.record.num_prefix_hit_tokens += request.num_computed_tokens
                 if request.num_preemptions == 0:
