@@ -9,7 +9,9 @@ the weights of 30 layers are 420 MB of fp32, so every call reads its weight from
 - ``onednn``: fp32 through oneDNN with its packed weight (the model's path without the C++ kernels),
 - ``panel-<variant>``: fp32 through ``panel_linear`` on column panels (the model's fp32 path), per kernel variant,
 - ``small8-<variant>``: int8 weights through ``small_linear`` (int16 inputs; the model's int8 path), per variant,
-- ``torch8``: int8 weights through ``aten._weight_int8pack_mm`` on bf16 inputs (torch's own int8 kernel).
+- ``torch8``: int8 weights through ``aten._weight_int8pack_mm`` on bf16 inputs (torch's own int8 kernel),
+- ``q4_1-<variant>``: the same weights as GGUF Q4_1 blocks kept quantized, through ``quant_linear``
+  (``csrc/quant_linear.h``; the model's default path on a quantized GGUF), per variant.
 
 Printed side by side in one run, with the GB/s each reaches on its weight bytes and the fp32 paths' GFLOP/s;
 the best of ``--repeats`` rounds, the paths alternating inside each round so drift on this shared machine hits
@@ -28,10 +30,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 importlib.import_module("tokenmill")  # its OpenMP setting must be in place before torch loads
+import gguf  # noqa: E402
 import torch  # noqa: E402
 
 from tokenmill.model import kernel_variants  # noqa: E402
 from tokenmill.model.cpu_kernels import load_variant  # noqa: E402
+from tokenmill.model.gguf_blocks import QuantizedWeight, to_groups  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
 
@@ -63,6 +67,11 @@ def main() -> None:
         for _ in range(args.layers)
     ]
     scales_bf16 = [[s.bfloat16() for _, s in layer] for layer in int8]
+    q4 = {
+        v: [[_q4_1(w, int(mod.quant_tile_rows())) for w in layer] for layer in fp32]
+        for v, mod in modules.items()
+    }
+    q4_bytes = next(iter(q4.values()))[0][0].nbytes / (SHAPES[0][0] * SHAPES[0][1])
     num_weights = args.layers * sum(n * k for n, k in SHAPES)
     print(
         f"{args.layers} layers, {num_weights * 4 / 1e6:.0f} MB fp32 / {num_weights / 1e6:.0f} MB int8, {args.threads} threads"
@@ -70,7 +79,7 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for _, k in SHAPES}
         xb = {k: x.bfloat16() for k, x in xs.items()}
-        paths: dict[str, tuple[Callable[[int, int], object], int]] = {
+        paths: dict[str, tuple[Callable[[int, int], object], float]] = {
             "onednn": (
                 lambda i, j, xs=xs: torch.ops.mkldnn._linear_pointwise(
                     xs[SHAPES[j][1]], packed[i][j], None, "none", [], ""
@@ -99,6 +108,15 @@ def main() -> None:
                 ),
                 1,
             ),
+            **{
+                f"q4_1-{v}": (
+                    lambda i, j, xs=xs, mod=mod, v=v: mod.quant_linear(
+                        xs[SHAPES[j][1]], q4[v][i][j].data, q4[v][i][j].meta
+                    ),
+                    q4_bytes,
+                )
+                for v, mod in modules.items()
+            },
         }
         best = dict.fromkeys(paths, float("inf"))
         with torch.inference_mode():
@@ -111,10 +129,16 @@ def main() -> None:
                     best[name] = min(best[name], time.perf_counter() - t0)
         cells = [
             f"{name} {best[name] * 1e3:7.2f} ms ({num_weights * width / best[name] / 1e9:4.1f} GB/s"
-            + (f", {2 * m * num_weights / best[name] / 1e9:3.0f} GFLOP/s)" if width == 4 else ")")
+            + (f", {2 * m * num_weights / best[name] / 1e9:3.0f} GFLOP/s)" if width != 1 else ")")
             for name, (_, width) in paths.items()
         ]
         print(f"rows {m:4d}:\n    " + "\n    ".join(cells))
+
+
+def _q4_1(weight: torch.Tensor, tile_rows: int) -> QuantizedWeight:
+    """``weight`` as GGUF Q4_1 (the gguf package's quantizer), rewritten as the model keeps it."""
+    raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    return QuantizedWeight.from_groups([to_groups("Q4_1", raw, weight.shape[1])], tile_rows)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--int8-cases", default="c", help="cases also run with quantization='int8'; '' for none"
     )
+    parser.add_argument(
+        "--fp32-cases",
+        default="b,c",
+        help="cases also run with quantization='fp32' (the GGUF dequantized at load, beside the default that "
+        "computes from its blocks); '' for none",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
     parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead probe")
     parser.add_argument(
@@ -86,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peer_list = [] if args.peers == "none" else _split(args.peers, ALL_PEERS, "--peers")
     args.int8_case_list = (
         _split(args.int8_cases, workloads.ALL_CASES, "--int8-cases") if args.int8_cases else []
+    )
+    args.fp32_case_list = (
+        _split(args.fp32_cases, workloads.ALL_CASES, "--fp32-cases") if args.fp32_cases else []
     )
     return args
 
@@ -146,6 +155,12 @@ class Suite:
         caching = {"enable_prefix_caching": getattr(self.args, "enable_prefix_caching", True)}
         tm = TokenmillRunner(self.device, self.dtype, self.num_threads, model=model, **caching)
         out.append((self._with_bytes(tm, wb, wb), self.args.case_list))
+        fp32_cases = [c for c in self.args.case_list if c in self.args.fp32_case_list]
+        if fp32_cases:
+            f = TokenmillRunner(
+                self.device, self.dtype, self.num_threads, quantization="fp32", model=model, **caching
+            )
+            out.append((self._with_bytes(f, wb, wb), fp32_cases))
         int8_cases = [c for c in self.args.case_list if c in self.args.int8_case_list]
         if int8_cases:
             q = TokenmillRunner(
@@ -224,6 +239,13 @@ class Suite:
             self.load_s[runner.name] = time.perf_counter() - t0
         if not self.cases:
             self._build_cases(runner)
+        if isinstance(runner, TokenmillRunner) and runner.llm is not None:
+            loaded = runner.llm.engine.loaded
+            if loaded.quantization == "gguf":  # the bytes it reads: the blocks as kept in memory
+                runner.weight_bytes = loaded.weight_bytes / (
+                    self.shape.matmul_params + self.shape.lm_head_params
+                )
+            runner.note += f"; {loaded.describe_weights()}"
         if isinstance(runner, LlamaCppRunner):
             # It reads the file's blocks as stored (Q4_1 and the rest): bytes per weight of the file.
             runner.weight_bytes = self.gguf.stat().st_size / (

@@ -57,7 +57,18 @@ def _run_generate(args: argparse.Namespace, chat: bool) -> int:
 def _run_info(args: argparse.Namespace) -> int:
     from tokenmill import system_info
 
-    print(system_info.render(system_info.collect(), as_json=args.json))
+    info = system_info.collect()
+    if args.model is not None or args.quantization is not None or args.load:
+        from tokenmill.model.loader import load_model
+
+        loaded = load_model(args.model, device="cpu", quantization=args.quantization)
+        info["model"] = {
+            "source": loaded.source,
+            "quantization": loaded.quantization,
+            "weight_bytes": loaded.weight_bytes,
+            "summary": loaded.describe_weights(),
+        }
+    print(system_info.render(info, as_json=args.json))
     return 0
 
 
@@ -88,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, the CPU, the kernel variant loaded and each fast path")
     info.add_argument("--json", action="store_true", help="as JSON")
+    info.add_argument(
+        "--load", action="store_true", help="also load the model and report its resident weights"
+    )
+    info.add_argument(
+        "--model", default=None, help="the model to load (implies --load; default: the embedded one)"
+    )
+    info.add_argument("--quantization", default=None, choices=["gguf", "fp32", "int8"], help="implies --load")
     info.set_defaults(func=_run_info)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

@@ -92,8 +92,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "gguf", "fp32", "int8"):
+            raise ValueError(f"quantization must be one of None, gguf, fp32, int8, got {self.quantization!r}")
 
 
 def _positive(name: str, value: object) -> None:

@@ -27,7 +27,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
-    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["gguf", "fp32", "int8"],
+        help="gguf: compute from a GGUF's quantized blocks (the default for one on CPU); fp32: dequantize them "
+        "at load; int8: weight-only int8 from the fp32 weights",
+    )
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument(
         "--enable-prefix-caching",

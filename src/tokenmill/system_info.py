@@ -55,4 +55,6 @@ def render(info: dict[str, Any], as_json: bool = False) -> str:
         "fast paths:",
         *(f"  {name:<18} {state}" for name, state in info["fast_paths"].items()),
     ]
+    if "model" in info:
+        lines.append(f"model: {info['model']['source']}: {info['model']['summary']}")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedded_loaded():
-    """The embedded SmolLM2-135M-Instruct as a LoadedModel (fp32, CPU)."""
+    """The embedded SmolLM2-135M-Instruct as a LoadedModel (CPU, fp32 activations; its GGUF blocks kept, the default)."""
     from tokenmill.model.loader import load_model
 
     return load_model(None, device="cpu")
@@ -39,3 +39,11 @@ def hf_embedded():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def embedded_fp32():
+    """The embedded model dequantized at load (``quantization="fp32"``): the path before GGUF blocks were kept."""
+    from tokenmill.model.loader import load_model
+
+    return load_model(None, device="cpu", quantization="fp32")

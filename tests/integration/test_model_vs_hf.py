@@ -262,6 +262,12 @@ def hf_gguf_reference(embedded_loaded):
     return model.eval()
 
 
+@pytest.fixture(params=["embedded_loaded", "embedded_fp32"])
+def embedded_either(request):
+    """The embedded model as loaded by default (its GGUF blocks kept) and dequantized at load."""
+    return request.getfixturevalue(request.param)
+
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -271,8 +277,8 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_embedded_flat_batch_and_incremental_decode(embedded_loaded, hf_gguf_reference) -> None:
-    loaded = embedded_loaded
+def test_embedded_flat_batch_and_incremental_decode(embedded_either, hf_gguf_reference) -> None:
+    loaded = embedded_either
     assert loaded.config.num_hidden_layers == 30 and loaded.config.num_key_value_heads == 3
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     assert_flat_batch_matches(loaded.model, loaded.config, hf_gguf_reference, prompts, block_size=4)
@@ -280,8 +286,8 @@ def test_embedded_flat_batch_and_incremental_decode(embedded_loaded, hf_gguf_ref
 
 
 @pytest.mark.slow
-def test_embedded_greedy_matches_hf_generate(embedded_loaded, hf_gguf_reference) -> None:
-    loaded = embedded_loaded
+def test_embedded_greedy_matches_hf_generate(embedded_either, hf_gguf_reference) -> None:
+    loaded = embedded_either
     num_new = 20
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
     runner = PagedRunner(loaded.model, loaded.config, num_blocks=64, block_size=4, seed=2)

@@ -277,7 +277,7 @@ def test_gguf_second_load_is_served_from_cache(tmp_path: Path, monkeypatch: pyte
     path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(path, _random_hf_state_dict(TINY), types=MIXED_TYPES)
     cache = tmp_path / "cache"
-    first = load_model(str(path), device="cpu", cache_dir=str(cache))
+    first = load_model(str(path), device="cpu", cache_dir=str(cache), quantization="fp32")
     cache_files = list(cache.glob("gguf-*.safetensors"))
     assert len(cache_files) == 1 and not list(cache.glob("*.tmp"))
 
@@ -287,7 +287,7 @@ def test_gguf_second_load_is_served_from_cache(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(gguf_loader, "dequantize_tensor", fail)
     monkeypatch.setattr(gguf_loader, "convert_gguf", fail)
     monkeypatch.setattr(gguf.GGUFReader, "__init__", fail)
-    second = load_model(str(path), device="cpu", cache_dir=str(cache))
+    second = load_model(str(path), device="cpu", cache_dir=str(cache), quantization="fp32")
     assert second.config == first.config
     assert second.tokenizer.encode("abxy") == first.tokenizer.encode("abxy")
     for (name, a), (_, b) in zip(first.model.state_dict().items(), second.model.state_dict().items()):

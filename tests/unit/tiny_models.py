@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import torch
 
 from tokenmill.model.config import LlamaConfig
@@ -38,3 +40,27 @@ def random_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
     return model
+
+
+# the fp16 fields of each type's block (byte offsets): filled with finite values, the rest random bytes
+_F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_blocks(type_name: str, rows: int, in_features: int, seed: int) -> np.ndarray:
+    """``[rows, bytes_per_row]`` of random valid blocks of ``type_name`` (as ``gguf.ReaderTensor.data``)."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    num_blocks = rows * in_features // block_size
+    raw = rng.integers(0, 256, size=(num_blocks, type_size), dtype=np.uint8)
+    for offset in _F16_FIELDS[type_name]:
+        d = (rng.standard_normal(num_blocks) * 0.02).astype(np.float16)
+        raw[:, offset : offset + 2] = d.view(np.uint8).reshape(num_blocks, 2)
+    return raw.reshape(rows, -1)

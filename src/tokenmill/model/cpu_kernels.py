@@ -19,6 +19,8 @@ What the getters below hand out, each the same source in every variant:
   outer products for many.
 - ``small_linear`` multiplies rows by an int8 weight, reading the weight once in storage order
   (``csrc/small_linear.h``).
+- ``quant_linear`` / ``quant_rows`` multiply by, and look rows up in, GGUF-quantized weights kept as their
+  blocks (``csrc/quant_linear.h``); on every variant, base included.
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work
   in one pass each (``csrc/elementwise.h``) instead of chains of 4-10 torch ops.
 - ``DecodeStack`` runs every decoder layer for a step of decode rows in one call (``csrc/decode_stack.h``),
@@ -110,7 +112,15 @@ def _matmul_module() -> ModuleType | None:
     return state.module if state.variant in _MATMUL_VARIANTS else None
 
 
-_PATHS = ("paged_decode", "paged_prefill", "elementwise", "panel_linear", "small_linear_int8", "decode_stack")
+_PATHS = (
+    "paged_decode",
+    "paged_prefill",
+    "elementwise",
+    "panel_linear",
+    "small_linear_int8",
+    "quant_linear_gguf",
+    "decode_stack",
+)
 # The CPU flags `tokenmill info` reports: the ones a variant needs, and a few that say what a CPU could add
 _REPORTED_FLAGS = kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}
 
@@ -131,6 +141,7 @@ def fast_paths() -> dict[str, str]:
         "elementwise": "on",
         "panel_linear": matmul,
         "small_linear_int8": matmul,
+        "quant_linear_gguf": "on",
         "decode_stack": matmul,
     }
 
@@ -167,6 +178,19 @@ def small_linear_kernel() -> Callable[..., torch.Tensor] | None:
     """``fn(x [M, K] fp32, weight [N, K] int8, scale [N] fp32) -> [M, N]``, or None (no kernels, or base)."""
     module = _matmul_module()
     return None if module is None else module.small_linear  # type: ignore[no-any-return]
+
+
+def quant_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], int] | None:
+    """``(matmul, rows, tile_rows)`` for GGUF-quantized weights (``csrc/quant_linear.h``), on every variant (base
+    too: the alternative is dequantizing in torch), or None without kernels.
+
+    ``matmul(x [M, K], data, meta) -> [M, N]``; ``rows(data, meta, ids [n]) -> [n, K]``; weights packed for them
+    with ``QuantizedWeight.from_groups(..., tile_rows)``.
+    """
+    module = _module()
+    if module is None:
+        return None
+    return module.quant_linear, module.quant_rows, int(module.quant_tile_rows())
 
 
 def panel_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], int] | None:

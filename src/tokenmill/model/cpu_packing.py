@@ -26,7 +26,7 @@ import torch
 
 from tokenmill.model.cpu_kernels import decode_stack_class, panel_linear_kernels, small_linear_kernel
 from tokenmill.model.llama import Linear, LlamaForCausalLM, PackedMatmul
-from tokenmill.model.quant import Int8Linear
+from tokenmill.model.quant import Int8Linear, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 _PACK_FOR_ROWS = 64  # the batch size oneDNN picks its blocking for; any row count works
@@ -97,7 +97,7 @@ def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
 def build_decode_stack(model: LlamaForCausalLM) -> Any:
     """A C++ DecodeStack over ``model``'s weights (shared, not copied), or None if a layer does not fit it
     (not on CPU, an fp32 :class:`Linear` not packed as whole panels of the kernels' width, or a projection that
-    is neither that nor an :class:`Int8Linear`)."""
+    is neither that, an :class:`Int8Linear` nor a :class:`QuantizedLinear` with its kernel)."""
     stack_class, kernels = decode_stack_class(), panel_linear_kernels()
     if stack_class is None or kernels is None:
         return None
@@ -123,6 +123,8 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
                 tensors += (proj.packed_weight, empty)
             elif isinstance(proj, Int8Linear) and _fp32_cpu(proj.scales) and proj.weight_int8.is_contiguous():
                 tensors += (proj.weight_int8, proj.scales)
+            elif isinstance(proj, QuantizedLinear) and proj.kernel is not None:
+                tensors += (proj.data, proj.meta)
             else:
                 return None
     config = model.config

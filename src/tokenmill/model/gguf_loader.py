@@ -30,12 +30,14 @@ import numpy as np
 import torch
 
 from tokenmill.model.config import LlamaConfig
+from tokenmill.model.gguf_blocks import QUANTIZED_TYPES, Groups, to_groups
 from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_dict
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
-_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+_TYPES_KEY = "gguf_tensor_types"
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -105,14 +107,10 @@ def _type_error(name: str, type_name: str) -> str:
     return f"GGUF tensor {name!r} has type {type_name}, which tokenmill cannot load (supported: {', '.join(_SUPPORTED_TYPES)})"
 
 
-def convert_gguf(
-    path: Path, *, reader: Any = None, progress: bool = True
-) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Read ``path`` (or its open ``gguf.GGUFReader``): config and float32 HF-named weights, Q/K un-permuted."""
+def _read_config(path: Path, reader: Any) -> tuple[LlamaConfig, dict[str, Any]]:
+    """The model config from the file's metadata, and its tensors by name; unreadable types refused first."""
     import gguf
-    from tqdm import tqdm
 
-    reader = gguf.GGUFReader(path) if reader is None else reader
     meta = {
         name: field.contents()
         for name, field in reader.fields.items()
@@ -133,17 +131,61 @@ def convert_gguf(
         tie_word_embeddings="output.weight" not in by_name,
         rope_freq_factors=rope_freqs,
     )
+    return config, by_name
+
+
+def _rope_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
+    """For a Q or K projection, the permutation of its rows that undoes llama.cpp's interleave; else None."""
+    if name.endswith("q_proj.weight"):
+        heads = config.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        heads = config.num_key_value_heads
+    else:
+        return None
+    rows = heads * config.head_dim
+    return unpermute_rope_rows(torch.arange(rows, dtype=torch.int64)[:, None], heads)[:, 0]
+
+
+def convert_gguf(
+    path: Path, *, reader: Any = None, progress: bool = True
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Read ``path`` (or its open ``gguf.GGUFReader``): config and float32 HF-named weights, Q/K un-permuted."""
+    import gguf
+    from tqdm import tqdm
+
+    reader = gguf.GGUFReader(path) if reader is None else reader
+    config, _ = _read_config(path, reader)
     state_dict: dict[str, torch.Tensor] = {}
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
     for tensor in tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name)
         weight = torch.from_numpy(dequantize_tensor(tensor))
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_key_value_heads)
-        state_dict[name] = weight.contiguous()
+        order = _rope_row_order(name, config)
+        state_dict[name] = (weight if order is None else weight[order]).contiguous()
     return config, state_dict
+
+
+def read_quantized_gguf(
+    path: Path, reader: Any
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Groups]]:
+    """Config, the fp32 tensors (norms, and weights of types without a kernel) and the quantized ones as
+    :class:`~tokenmill.model.gguf_blocks.Groups`, all under Hugging Face names, Q/K rows un-permuted."""
+    config, _ = _read_config(path, reader)
+    dense: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Groups] = {}
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        name = hf_tensor_name(tensor.name)
+        order = _rope_row_order(name, config)
+        type_name = tensor.tensor_type.name
+        if type_name in QUANTIZED_TYPES and len(tensor.shape) == 2:
+            groups = to_groups(type_name, tensor.data, int(tensor.shape[0]))
+            quantized[name] = groups if order is None else groups.take_rows(order.numpy())
+        else:
+            weight = torch.from_numpy(dequantize_tensor(tensor))
+            dense[name] = (weight if order is None else weight[order]).contiguous()
+    return config, dense, quantized
 
 
 class _Field:
@@ -210,6 +252,7 @@ class GGUFFile:
         header = {
             _CONFIG_KEY: _config_to_json(config),
             _FIELDS_KEY: json.dumps(_metadata_values(self.reader())),
+            _TYPES_KEY: json.dumps(sorted({t.tensor_type.name for t in self.reader().tensors})),
             "source": str(self.path),
         }
         try:
@@ -217,6 +260,25 @@ class GGUFFile:
         except OSError as exc:  # an unwritable cache costs speed next time, not this load
             warnings.warn(f"could not write GGUF cache {self.cache_path}: {exc}", stacklevel=2)
         return config, fused
+
+    def quantized_tensor_types(self) -> list[str]:
+        """The types among this file's tensors that the quantized kernels take (empty: an fp16/fp32 file)."""
+        if self._cached_header is not None and _TYPES_KEY in self._cached_header:
+            types = json.loads(self._cached_header[_TYPES_KEY])
+        else:
+            types = sorted({t.tensor_type.name for t in self.reader().tensors})
+        return [t for t in types if t in QUANTIZED_TYPES]
+
+    def load_quantized_model(self) -> tuple[LlamaConfig, LlamaForCausalLM]:
+        """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU."""
+        from tokenmill.model.cpu_kernels import quant_kernels
+        from tokenmill.model.quant import build_quantized_llama
+
+        kernels = quant_kernels()
+        tile_rows = kernels[2] if kernels is not None else 8
+        config, dense, quantized = read_quantized_gguf(self.path, self.reader())
+        matmuls = None if kernels is None else (kernels[0], kernels[1])
+        return config, build_quantized_llama(config, dense, quantized, tile_rows, matmuls)
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> tuple[LlamaConfig, LlamaForCausalLM]:
         config, state_dict = self.load_weights()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,7 +20,10 @@ from tokenmill.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
-QUANTIZATIONS = (None, "int8")
+# None: "gguf" for a quantized GGUF on CPU in fp32 with the C++ kernels, else the weights in ``dtype``;
+# "gguf": GGUF blocks kept quantized (model/gguf_blocks.py); "fp32": a GGUF dequantized at load (a no-op for a
+# directory); "int8": weight-only int8 made from the dequantized weights (model/quant.py).
+QUANTIZATIONS = (None, "gguf", "fp32", "int8")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -39,6 +42,12 @@ class LoadedModel:
     source: str  # the path loaded
     device: torch.device
     dtype: torch.dtype
+    quantization: str | None = None  # what was applied: "gguf", "fp32" (a GGUF dequantized), "int8" or None
+    weight_bytes: int = 0  # the weights' resident bytes (quant.weight_bytes), reported at start
+
+    def describe_weights(self) -> str:
+        mode = self.quantization or str(self.dtype).removeprefix("torch.")
+        return f"weights {self.weight_bytes / 1e6:.1f} MB resident ({mode})"
 
 
 def resolve_device_dtype(
@@ -76,19 +85,33 @@ def load_model(
     """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file or an HF directory.
 
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
-    ``quantization="int8"`` swaps the projections and the LM head for weight-only int8 after loading
-    (:mod:`~tokenmill.model.quant`); norms and the embedding table stay in ``dtype``.
+    ``quantization`` (:data:`QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
+    as their blocks and computes from them (CPU, fp32 activations; the default for such a file when the C++
+    kernels are loaded), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
+    for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
+    ``dtype``).
     """
     from tokenmill.tokenizer import Tokenizer
 
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
+        raise ValueError(
+            f"quantization must be one of {', '.join(str(q) for q in QUANTIZATIONS)}, got {quantization!r}"
+        )
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
     path = embedded_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(
             f"model path not found: {model} (tokenmill loads local .gguf files or HF model directories)"
         )
+    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    if quantization == "gguf":
+        if not is_gguf:
+            raise ValueError(f"quantization='gguf' needs a .gguf file, got {path}")
+        if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
+            raise ValueError(
+                "quantization='gguf' runs on CPU in float32 (activations); use quantization='fp32' for "
+                f"{resolved_device.type} / {resolved_dtype}"
+            )
     if path.is_dir():
         from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 
@@ -100,9 +123,14 @@ def load_model(
         from tokenmill.model.gguf_loader import GGUFFile
 
         gguf_file = GGUFFile(path, cache_dir)
+        if quantization is None and _keeps_gguf_blocks(gguf_file, resolved_device, resolved_dtype):
+            quantization = "gguf"
         # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
         tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
-        config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
+        if quantization == "gguf":
+            config, llama = gguf_file.load_quantized_model()
+        else:
+            config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
     from tokenmill.model.cpu_packing import attach_cpu_kernels, can_pack, pack_for_cpu
@@ -115,6 +143,8 @@ def load_model(
             attach_cpu_kernels(llama)
     elif can_pack(resolved_device, resolved_dtype):
         pack_for_cpu(llama)
+    from tokenmill.model.quant import weight_bytes
+
     return LoadedModel(
         config=config,
         model=llama,
@@ -122,7 +152,19 @@ def load_model(
         source=str(path),
         device=resolved_device,
         dtype=resolved_dtype,
+        quantization=quantization or ("fp32" if is_gguf else None),
+        weight_bytes=weight_bytes(llama),
     )
+
+
+def _keeps_gguf_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """The default for a GGUF: keep its blocks when it has quantized tensors the kernels take, on CPU in fp32
+    with the C++ kernels loaded (without them the torch fallback would dequantize at every step)."""
+    from tokenmill.model.cpu_kernels import quant_kernels
+
+    if device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None:
+        return False
+    return bool(gguf_file.quantized_tensor_types())
 
 
 def allocate_kv_cache(

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.config import LlamaConfig
+from tokenmill.model.gguf_blocks import Groups, QuantizedWeight
 from tokenmill.model.llama import LlamaForCausalLM
 
 # fn(x [M, K] float32, weight [N, K] int8, scale [N] float32) -> [M, N] (cpu_kernels.small_linear_kernel)
@@ -133,3 +135,156 @@ def quantize_model_int8(model: LlamaForCausalLM) -> LlamaForCausalLM:
         source = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
         model.lm_head = Int8Linear.from_weight(source)  # type: ignore[assignment]
     return model
+
+
+# fn(x [M, K] fp32, data, meta) -> [M, N] (cpu_kernels.quant_kernels)
+QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+QuantRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free linear layer over a GGUF-quantized weight kept as its blocks (:mod:`~tokenmill.model.gguf_blocks`).
+
+    With the C++ kernels (``csrc/quant_linear.h``, every variant) the weight is expanded in registers as it is
+    used; without them the forward dequantizes the whole weight in torch each call (correct, slow: the loader
+    picks ``fp32`` in that case unless asked otherwise). ``data``/``meta`` are buffers: a tied head and its
+    embedding share one copy.
+    """
+
+    data: torch.Tensor
+    meta: torch.Tensor
+    kernel: QuantMatmul | None = None
+
+    def __init__(self, weight: QuantizedWeight, kernel: QuantMatmul | None = None) -> None:
+        super().__init__()
+        self.register_buffer("data", weight.data)
+        self.register_buffer("meta", weight.meta)
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.kernel = kernel
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.data, self.meta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self.kernel(x, self.data, self.meta)
+        return F.linear(x, self.weight.dequantize().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.type_summary()}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized: a lookup expands only the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight, rows_kernel: QuantRows | None = None) -> None:
+        super().__init__()
+        self.register_buffer("data", weight.data)
+        self.register_buffer("meta", weight.meta)
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.rows_kernel = rows_kernel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        if self.rows_kernel is not None:
+            rows = self.rows_kernel(self.data, self.meta, flat)
+        else:
+            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+                raise IndexError("token id out of range of the embedding table")
+            rows = QuantizedWeight(self.data, self.meta).dequantize(flat)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+def build_quantized_llama(
+    config: LlamaConfig,
+    dense: dict[str, torch.Tensor],
+    quantized: dict[str, Groups],
+    tile_rows: int,
+    kernels: tuple[QuantMatmul, QuantRows] | None,
+) -> LlamaForCausalLM:
+    """A model whose projections, embedding and head are :class:`QuantizedLinear` / :class:`QuantizedEmbedding`
+    where ``quantized`` (Hugging Face names) has them, fp32 from ``dense`` elsewhere.
+
+    A fused projection takes its parts' formats side by side (q, k, v may differ, as in Q4_K_M files); if one
+    part is dense, the whole projection is (its quantized parts dequantized: exact, only larger). A tied head
+    shares the embedding's quantized bytes.
+    """
+    matmul, rows = kernels if kernels is not None else (None, None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    quantized = dict(quantized)
+    dense = dict(dense)
+
+    def fused(names: list[str]) -> QuantizedLinear | None:
+        if all(n in quantized for n in names):
+            return QuantizedLinear(
+                QuantizedWeight.from_groups([quantized.pop(n) for n in names], tile_rows), matmul
+            )
+        for n in names:  # mixed: every part dense
+            if n in quantized:
+                dense[n] = QuantizedWeight.from_groups([quantized.pop(n)], tile_rows).dequantize()
+        return None
+
+    fused_dense: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        groups = (
+            (layer.self_attn, "qkv_proj", [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v")]),
+            (layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj.weight"]),
+            (layer.mlp, "gate_up_proj", [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")]),
+            (layer.mlp, "down_proj", [f"{p}.mlp.down_proj.weight"]),
+        )
+        for parent, attr, names in groups:
+            module = fused(names)
+            if module is not None:
+                setattr(parent, attr, module)
+            else:
+                owner = "mlp" if parent is layer.mlp else "self_attn"
+                fused_dense[f"{p}.{owner}.{attr}.weight"] = torch.cat([dense.pop(n) for n in names])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            fused_dense[f"{p}.{norm}.weight"] = dense.pop(f"{p}.{norm}.weight")
+    fused_dense["model.norm.weight"] = dense.pop("model.norm.weight")
+    embed = quantized.pop("model.embed_tokens.weight", None)
+    if embed is not None:
+        table = QuantizedWeight.from_groups([embed], tile_rows)
+        model.model.embed_tokens = QuantizedEmbedding(table, rows)  # type: ignore[assignment]
+        if config.tie_word_embeddings:
+            model.lm_head = QuantizedLinear(table, matmul)  # type: ignore[assignment]
+    else:
+        fused_dense["model.embed_tokens.weight"] = dense.pop("model.embed_tokens.weight")
+    head = quantized.pop("lm_head.weight", None)
+    if not config.tie_word_embeddings:
+        if head is not None:
+            model.lm_head = QuantizedLinear(QuantizedWeight.from_groups([head], tile_rows), matmul)  # type: ignore[assignment]
+        else:
+            fused_dense["lm_head.weight"] = dense.pop("lm_head.weight")
+    dense.pop("lm_head.weight", None)  # a tied checkpoint's unused copy
+    if quantized or dense:
+        raise ValueError(f"unexpected tensors in the checkpoint: {sorted([*quantized, *dense])[:8]}")
+    model.load_fused_state_dict({k: v.float() for k, v in fused_dense.items()})
+    return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds for its weights (parameters, buffers and reordered copies),
+    each storage counted once (a tied head and its table are one)."""
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        for attr in ("packed_weight", "packed_head"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor):
+                tensors.append(t)
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except NotImplementedError:  # oneDNN's packed weights: opaque, one owner
+            key, nbytes = id(t), t.numel() * t.element_size()
+        seen[key] = max(seen.get(key, 0), nbytes)
+    return sum(seen.values())

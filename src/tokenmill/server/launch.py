@@ -145,6 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
     info = system_info.collect()
     metrics.set_build_info(info)
     logger.info("%s", system_info.one_line(info))
+    logger.info("%s; KV cache %.1f MB", engine.loaded.describe_weights(), engine.kv_cache_bytes / 1e6)
     async_engine = AsyncEngine(
         engine,
         max_queue=args.max_queue,

@@ -4,8 +4,8 @@
 // ~2,000 small torch ops per step (norms, rope, splits, residual adds: ~13 ms of dispatch on this CPU). This
 // runs the same arithmetic as LlamaDecoderLayer.forward with no per-op dispatch: RMSNorm -> fused QKV ->
 // RoPE -> K/V into the paged cache -> attention -> o_proj + residual -> RMSNorm -> gate/up -> SiLU * up ->
-// down + residual, for every layer, then the final norm. The matmuls are panel_linear's (fp32) or small_linear's
-// (int8); only they and the attention run on more than one thread.
+// down + residual, for every layer, then the final norm. The matmuls are panel_linear's (fp32), small_linear's
+// (int8) or quant_linear's (GGUF blocks); only they and the attention run on more than one thread.
 #pragma once
 #include <torch/extension.h>
 
@@ -15,18 +15,25 @@
 #include "attention_decode.h"
 #include "elementwise.h"
 #include "panel_linear.h"
+#include "quant_linear.h"
 #include "small_linear.h"
 
 namespace {
 
 struct LinearWeight {
-  torch::Tensor weight;  // fp32 panels [N / kPanel, K, kPanel] (panel_linear.h), or int8 [N, K]
-  torch::Tensor scale;   // [N] fp32 for int8, undefined for fp32
+  torch::Tensor weight;  // fp32 panels [N / kPanel, K, kPanel] (panel_linear.h), int8 [N, K], or quantized bytes
+  torch::Tensor scale;   // [N] fp32 for int8, int64 meta [P, 8] for quantized (quant_linear.h), else undefined
+  QuantMatrix quant;     // parsed from weight and scale when quantized
+  bool quantized() const { return weight.scalar_type() == torch::kUInt8; }
   bool panels() const { return weight.dim() == 3; }
-  int64_t out_features() const { return panels() ? weight.size(0) * kPanel : weight.size(0); }
-  int64_t in_features() const { return weight.size(1); }
+  int64_t out_features() const {
+    return quantized() ? quant.n : panels() ? weight.size(0) * kPanel : weight.size(0);
+  }
+  int64_t in_features() const { return quantized() ? quant.k : weight.size(1); }
   void apply(const float* x, int64_t M, float* y) const {
-    if (panels())
+    if (quantized())
+      quant_linear_raw(x, M, quant, y);
+    else if (panels())
       panel_linear_raw(x, M, in_features(), weight.data_ptr<float>(), out_features(), y);
     else
       small_linear_raw(x, M, in_features(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(), y, weight.size(0));
@@ -43,7 +50,7 @@ struct DecoderLayerWeights {
 class DecodeStack {
  public:
   // Per layer, in order: input_norm, post_norm, then (weight, scale) for qkv, o, gate_up, down; a scale is an
-  // empty tensor for an fp32 weight. final_norm [H]; inv_freq [D/2] fp32.
+  // empty tensor for an fp32 weight, the int64 meta for a quantized one. final_norm [H]; inv_freq [D/2] fp32.
   DecodeStack(std::vector<torch::Tensor> tensors, torch::Tensor final_norm, torch::Tensor inv_freq,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
       : final_norm_(final_norm.contiguous()),
@@ -57,11 +64,17 @@ class DecodeStack {
     hidden_ = final_norm_.numel();
     auto lin = [](torch::Tensor w, torch::Tensor s) {
       LinearWeight l{w.contiguous(), s.numel() > 0 ? s.contiguous() : torch::Tensor()};
+      if (l.quantized()) {
+        TORCH_CHECK(l.scale.defined(), "a quantized weight needs its meta");
+        l.quant = parse_quant_matrix(l.weight, l.scale);
+        return l;
+      }
       TORCH_CHECK((l.weight.scalar_type() == torch::kFloat32 && l.weight.dim() == 3 && l.weight.size(2) == kPanel &&
                    !l.scale.defined()) ||
                       (l.weight.scalar_type() == torch::kInt8 && l.weight.dim() == 2 && l.scale.defined() &&
                        l.scale.scalar_type() == torch::kFloat32 && l.scale.numel() == l.weight.size(0)),
-                  "weights are fp32 panels [N / kPanel, K, kPanel], or int8 [N, K] with fp32 scales [N]");
+                  "weights are fp32 panels [N / kPanel, K, kPanel], int8 [N, K] with fp32 scales [N], or "
+                  "quantized bytes with their int64 meta");
       return l;
     };
     for (size_t i = 0; i < tensors.size(); i += 10) {

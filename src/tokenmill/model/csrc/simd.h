@@ -82,6 +82,17 @@ inline IVec load_i8_as_i16(const int8_t* p) {
 inline IVec dot_i16(IVec acc, IVec a, IVec b) { return _mm512_dpwssd_epi32(acc, a, b); }
 inline float reduce_add_i32(IVec a) { return _mm512_reduce_add_ps(_mm512_cvtepi32_ps(a)); }
 
+// Quantized weights to floats (quant_linear.h): kLanes bytes as signed or unsigned integers, or kLanes bytes'
+// low and high nibbles as two vectors.
+inline Vec i8_to_float(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+
 #elif defined(TOKENMILL_AVX2)
 inline constexpr const char* kIsa = "avx2";
 inline constexpr int kLanes = 8;
@@ -142,6 +153,15 @@ inline IVec load_i8_as_i16(const int8_t* p) {
 }
 inline IVec dot_i16(IVec acc, IVec a, IVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline float reduce_add_i32(IVec a) { return reduce_add(_mm256_cvtepi32_ps(a)); }
+
+inline Vec i8_to_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
 
 #else  // base: portable C++ (GCC/Clang vector extensions), no intrinsics
 inline constexpr const char* kIsa = "base";
@@ -226,6 +246,15 @@ inline float reduce_add_i32(IVec a) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += static_cast<float>(a[i]);
   return s;
+}
+
+inline Vec i8_to_float(const uint8_t* p) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  return r;
+}
+inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
+  for (int i = 0; i < kLanes; ++i) lo[i] = static_cast<float>(p[i] & 15), hi[i] = static_cast<float>(p[i] >> 4);
 }
 #endif
 

@@ -1,0 +1,416 @@
+// Linear layers over GGUF-quantized weights, kept quantized in memory: y [M, N] = x [M, K] @ W [N, K]^T with x
+// and y fp32 and W expanded from 4- or 8-bit codes as it is used, never stored whole as fp32.
+//
+// The weight layout (tokenmill/model/gguf_blocks.py writes it at load; this file only reads it). Every GGUF
+// type tokenmill keeps is one of four block formats, a group being `group` consecutive inputs of one row:
+//
+//   bits  group  min   from
+//   4     32     yes   Q4_0 Q4_1 Q4_K
+//   8     32     no    Q8_0
+//   8     32     yes   Q5_K (codes 0..31)
+//   8     16     no    Q6_K (codes -32..31)
+//
+// and a weight is code * scale + min in fp32, one fused multiply-add: the product of a small integer code and a
+// scale made of an fp16 and a 6- or 8-bit integer is exact in fp32, so the value is the one rounding of the
+// same sum the `gguf` package's dequantize computes: bit for bit the fp32 weights of the dequantizing path.
+// Output rows go in tiles of kPanel (panel_linear.h's panel width: 32 on AVX-512, 16 on AVX2, 8 on base); a
+// tile stores, per group, the kPanel scales, the kPanel mins (if any), then for each input of the group the
+// kPanel codes (4-bit: byte i holds row i low and row i + kPanel/2 high). Expanding one input's codes is then
+// one panel row of panel_linear: two vectors of weights, with no transpose. A matrix is one or more parts
+// stacked along N (a fused qkv whose v is Q6_K and q, k Q4_K), each with its own format: `meta` [P, 8] int64
+// rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows).
+//
+// The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
+// Up to kQFusedRows rows of x (decode steps) multiply the weights as they are expanded in registers, an outer
+// product per input; more rows (prefill) expand each tile into an fp32 panel and run panel_linear's
+// register-blocked kernel over it: once per call when the rows are more than one ~256 KB block of x (the
+// thread's panels then stream from cache as panel_linear's do from memory), else once per block.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "panel_linear.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int kQFusedRows = simd::kNumRegs >= 32 ? 8 : 4;  // x rows multiplied as the weights are expanded
+constexpr int kQSplit = 4;                                 // independent sums per output at one row
+// Software prefetch distance into L2, every cache line of a group: as small_linear.h found, the hardware
+// prefetchers alone keep too few lines in flight for a decode step to read at memory speed.
+constexpr int64_t kQPrefetchBytes = 32768;
+constexpr int64_t kMinGroup = 32;
+// Beyond one block of x rows a thread expands all its tiles once, up to this many bytes of fp32 panels (the
+// LM head's 113 MB would not fit: it goes tile by tile, each tile once per block of rows).
+constexpr int64_t kQExpandOnceBytes = 16 << 20;  // the group size of every format with a min
+
+// A group's format at compile time: its bytes per tile, where the codes of input d start, and the expansion of
+// one input's kPanel codes into two vectors of weights (rows 0..kLanes-1, kLanes..kPanel-1).
+template <int Bits, int Group, bool kMin>
+struct Fmt {
+  static constexpr int kGroup = Group;
+  static constexpr int64_t kHead = (kMin ? 2 : 1) * kPanel * 4;  // scales (and mins), fp32
+  static constexpr int64_t kInputBytes = kPanel * Bits / 8;
+  static constexpr int64_t kGroupBytes = kHead + Group * kInputBytes;
+
+  struct Params {
+    simd::Vec s0, s1, m0, m1;
+  };
+  static Params params(const uint8_t* g) {
+    using namespace simd;
+    const float* f = reinterpret_cast<const float*>(g);
+    Params p{load(f), load(f + kLanes), zero(), zero()};
+    if constexpr (kMin) p.m0 = load(f + kPanel), p.m1 = load(f + kPanel + kLanes);
+    return p;
+  }
+  static void expand(const uint8_t* g, int64_t d, const Params& p, simd::Vec& w0, simd::Vec& w1) {
+    using namespace simd;
+    const uint8_t* c = g + kHead + d * kInputBytes;
+    if constexpr (Bits == 4) {
+      static_assert(kMin, "4-bit groups have a min");
+      Vec lo, hi;
+      u4_to_float(c, lo, hi);
+      w0 = fmadd(lo, p.s0, p.m0), w1 = fmadd(hi, p.s1, p.m1);
+    } else if constexpr (kMin) {
+      w0 = fmadd(i8_to_float(c), p.s0, p.m0), w1 = fmadd(i8_to_float(c + kLanes), p.s1, p.m1);
+    } else {
+      w0 = mul(i8_to_float(c), p.s0), w1 = mul(i8_to_float(c + kLanes), p.s1);
+    }
+  }
+  // input d's codes as floats, unscaled (the one-row path applies scale and min once per group)
+  static void codes(const uint8_t* g, int64_t d, simd::Vec& q0, simd::Vec& q1) {
+    using namespace simd;
+    const uint8_t* c = g + kHead + d * kInputBytes;
+    if constexpr (Bits == 4)
+      u4_to_float(c, q0, q1);
+    else
+      q0 = i8_to_float(c), q1 = i8_to_float(c + kLanes);
+  }
+  static constexpr bool kHasMin = kMin;
+  static void prefetch(const uint8_t* g) {
+    for (int64_t off = 0; off < kGroupBytes; off += 64) simd::prefetch_l2(g + kQPrefetchBytes + off);
+  }
+  static_assert(!kMin || Group == kMinGroup, "the one-row path sums x over groups of kMinGroup");
+  // the weight of tile row r (< kPanel) at input d, as a scalar: the embedding lookup's path
+  static float weight(const uint8_t* g, int64_t d, int64_t r) {
+    const float* f = reinterpret_cast<const float*>(g);
+    const uint8_t* c = g + kHead + d * kInputBytes;
+    float q;
+    if constexpr (Bits == 4)
+      q = static_cast<float>(r < kPanel / 2 ? c[r] & 15 : c[r - kPanel / 2] >> 4);
+    else
+      q = static_cast<float>(static_cast<int8_t>(c[r]));
+    return kMin ? std::fma(q, f[r], f[kPanel + r]) : q * f[r];
+  }
+};
+
+// c[0:ncols] = one row of x . every row of the tile, as sum over groups of scale * (x . codes) + min * sum(x):
+// per input one conversion and one FMA per vector, scale and min once per group (the decode step's case:
+// about a quarter fewer instructions than expanding each weight, which is what bounds it). xsum[g]: the row's
+// sum over group g.
+template <class F>
+inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, int64_t num_groups, float* c,
+                      int64_t ncols) {
+  using namespace simd;
+  Vec acc0 = zero(), acc1 = zero();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const uint8_t* grp = tile + g * F::kGroupBytes;
+    F::prefetch(grp);
+    const float* xg = x + g * F::kGroup;
+    Vec t0[kQSplit], t1[kQSplit];
+    for (int s = 0; s < kQSplit; ++s) t0[s] = t1[s] = zero();
+    for (int64_t d = 0; d < F::kGroup; d += kQSplit) {
+      for (int s = 0; s < kQSplit; ++s) {
+        Vec q0, q1;
+        F::codes(grp, d + s, q0, q1);
+        const Vec xv = set1(xg[d + s]);
+        t0[s] = fmadd(xv, q0, t0[s]);
+        t1[s] = fmadd(xv, q1, t1[s]);
+      }
+    }
+    for (int s = 1; s < kQSplit; ++s) t0[0] = add(t0[0], t0[s]), t1[0] = add(t1[0], t1[s]);
+    const float* f = reinterpret_cast<const float*>(grp);
+    acc0 = fmadd(t0[0], load(f), acc0);
+    acc1 = fmadd(t1[0], load(f + kLanes), acc1);
+    if constexpr (F::kHasMin) {
+      const Vec xs = set1(xsum[g]);
+      acc0 = fmadd(xs, load(f + kPanel), acc0);
+      acc1 = fmadd(xs, load(f + kPanel + kLanes), acc1);
+    }
+  }
+  if (ncols == kPanel) {
+    store(c, acc0), store(c + kLanes, acc1);
+  } else {
+    const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
+    store_n(c, acc0, n0), store_n(c + kLanes, acc1, n1);
+  }
+}
+
+// c[i][0:ncols] = x row i . every row of the tile, for i < R: the tile expanded in registers, once per input for
+// all R rows (2 <= R: each weight expanded once serves R rows).
+template <class F, int R>
+inline void fused_block(const float* x, int64_t lda, const uint8_t* tile, int64_t num_groups, float* c,
+                        int64_t ldc, int64_t ncols) {
+  using namespace simd;
+  constexpr int S = 1;
+  Vec lo[R][S], hi[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) lo[r][s] = hi[r][s] = zero();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const uint8_t* grp = tile + g * F::kGroupBytes;
+    F::prefetch(grp);
+    const auto p = F::params(grp);
+    const float* xg = x + g * F::kGroup;
+    for (int64_t d = 0; d < F::kGroup; d += S) {
+      for (int s = 0; s < S; ++s) {
+        Vec w0, w1;
+        F::expand(grp, d + s, p, w0, w1);
+        for (int r = 0; r < R; ++r) {
+          const Vec xv = set1(xg[r * lda + d + s]);
+          lo[r][s] = fmadd(xv, w0, lo[r][s]);
+          hi[r][s] = fmadd(xv, w1, hi[r][s]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int s = 1; s < S; ++s) lo[r][0] = add(lo[r][0], lo[r][s]), hi[r][0] = add(hi[r][0], hi[r][s]);
+    if (ncols == kPanel) {
+      store(c + r * ldc, lo[r][0]), store(c + r * ldc + kLanes, hi[r][0]);
+    } else {
+      const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
+      store_n(c + r * ldc, lo[r][0], n0), store_n(c + r * ldc + kLanes, hi[r][0], n1);
+    }
+  }
+}
+
+template <class F, int R>
+inline void fused_block_n(int rows, const float* x, int64_t lda, const uint8_t* tile, int64_t num_groups,
+                          float* c, int64_t ldc, int64_t ncols) {
+  if constexpr (R >= 1) {
+    if (rows == R) return fused_block<F, R>(x, lda, tile, num_groups, c, ldc, ncols);
+    fused_block_n<F, R - 1>(rows, x, lda, tile, num_groups, c, ldc, ncols);
+  }
+}
+
+// The tile as an fp32 panel [K, kPanel] (pack_panels' layout), for panel_linear's kernel.
+template <class F>
+inline void expand_panel(const uint8_t* tile, int64_t num_groups, float* panel) {
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const uint8_t* grp = tile + g * F::kGroupBytes;
+    F::prefetch(grp);
+    const auto p = F::params(grp);
+    float* out = panel + g * F::kGroup * kPanel;
+    for (int64_t d = 0; d < F::kGroup; ++d) {
+      simd::Vec w0, w1;
+      F::expand(grp, d, p, w0, w1);
+      simd::store(out + d * kPanel, w0), simd::store(out + d * kPanel + simd::kLanes, w1);
+    }
+  }
+}
+
+// Rows [m0, m1) of x times one expanded tile (an fp32 panel [K, kPanel]), in near-equal register blocks.
+template <bool kPrefetch>
+inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* y, int64_t ldy,
+                       int64_t ncols) {
+  const int64_t num_chunks = (m1 - m0 + kPanelMaxRows - 1) / kPanelMaxRows;
+  int64_t m = m0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t rows = (m1 - m) / (num_chunks - c);  // near-equal chunks of at most kPanelMaxRows
+    panel_block_n<kPanelMaxRows, kPrefetch>(static_cast<int>(rows), x + m * K, K, panel, kPanel, K, y + m * ldy,
+                                            ldy, ncols);
+    m += rows;
+  }
+}
+
+// Rows [m0, m1) of x times one tile: expanded in registers for a few rows, else into `panel` first.
+template <class F>
+inline void tile_rows(const float* x, const float* xsum, int64_t m0, int64_t m1, int64_t K, const uint8_t* tile,
+                      int64_t num_groups, float* panel, float* y, int64_t ldy, int64_t ncols) {
+  const int64_t M = m1 - m0;
+  if (M == 1) {
+    fused_row<F>(x + m0 * K, xsum + m0 * num_groups, tile, num_groups, y + m0 * ldy, ncols);
+    return;
+  }
+  if (M <= kQFusedRows) {
+    fused_block_n<F, kQFusedRows>(static_cast<int>(M), x + m0 * K, K, tile, num_groups, y + m0 * ldy, ldy, ncols);
+    return;
+  }
+  expand_panel<F>(tile, num_groups, panel);
+  panel_rows<false>(x, m0, m1, K, panel, y, ldy, ncols);
+}
+
+// The whole tile's rows as fp32: out[r * K + k] for tile rows r < num_rows.
+template <class F>
+inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, float* out) {
+  for (int64_t g = 0; g < num_groups; ++g)
+    for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile + g * F::kGroupBytes, d, row);
+}
+
+using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, float*,
+                            float*, int64_t, int64_t);
+using TileWeightsFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
+using ExpandPanelFn = void (*)(const uint8_t*, int64_t, float*);
+
+struct QuantPart {
+  const uint8_t* data = nullptr;  // the part's first tile
+  int64_t rows = 0, col = 0, num_groups = 0, tile_bytes = 0, num_tiles = 0;
+  TileRowsFn tile_rows = nullptr;
+  TileWeightsFn tile_weights = nullptr;
+  ExpandPanelFn expand_panel = nullptr;
+};
+
+struct QuantMatrix {
+  std::vector<QuantPart> parts;
+  std::vector<int64_t> first_tile;  // per part, its first tile's global index; then the total
+  int64_t n = 0, k = 0;
+  int64_t num_tiles() const { return first_tile.back(); }
+};
+
+template <int Bits, int Group, bool kMin>
+inline void set_format(QuantPart& p) {
+  using F = Fmt<Bits, Group, kMin>;
+  p.tile_rows = &tile_rows<F>;
+  p.tile_weights = &tile_weights<F>;
+  p.expand_panel = &expand_panel<F>;
+  p.tile_bytes = p.num_groups * F::kGroupBytes;
+}
+
+// data: uint8 [bytes]; meta: int64 [P, 8] as described at the top. Checks every part against the buffer.
+inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Tensor& meta) {
+  TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.dim() == 1 && data.is_contiguous() && !data.is_cuda(),
+              "quantized weight data: contiguous uint8 CPU [bytes]");
+  TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.dim() == 2 && meta.size(1) == 8 && meta.size(0) > 0,
+              "quantized weight meta: int64 [P, 8]");
+  auto mt = meta.contiguous();
+  const int64_t* m = mt.data_ptr<int64_t>();
+  QuantMatrix q;
+  q.first_tile.push_back(0);
+  for (int64_t i = 0; i < mt.size(0); ++i, m += 8) {
+    const int64_t offset = m[0], rows = m[1], k = m[2], bits = m[3], group = m[4], has_min = m[5], col = m[6];
+    TORCH_CHECK(m[7] == kPanel, "part ", i, " was packed in tiles of ", m[7], " rows; this kernel build takes ",
+                kPanel, " (pack with the loaded variant's panel_width)");
+    TORCH_CHECK(rows > 0 && k > 0 && group > 0 && k % group == 0, "part ", i, ": rows and K a multiple of group");
+    TORCH_CHECK(i == 0 || k == q.k, "every part has the same K");
+    TORCH_CHECK(col == q.n, "part ", i, " must start at output row ", q.n);
+    QuantPart p;
+    p.rows = rows, p.col = col, p.num_groups = k / group;
+    p.num_tiles = (rows + kPanel - 1) / kPanel;
+    if (bits == 4 && group == 32 && has_min)
+      set_format<4, 32, true>(p);
+    else if (bits == 8 && group == 32 && !has_min)
+      set_format<8, 32, false>(p);
+    else if (bits == 8 && group == 32 && has_min)
+      set_format<8, 32, true>(p);
+    else if (bits == 8 && group == 16 && !has_min)
+      set_format<8, 16, false>(p);
+    else
+      TORCH_CHECK(false, "part ", i, ": no block format with bits ", bits, ", group ", group, ", min ", has_min);
+    TORCH_CHECK(offset >= 0 && offset + p.num_tiles * p.tile_bytes <= data.numel(), "part ", i,
+                " runs past the data");
+    p.data = data.data_ptr<uint8_t>() + offset;
+    q.k = k, q.n += rows;
+    q.parts.push_back(p);
+    q.first_tile.push_back(q.first_tile.back() + p.num_tiles);
+  }
+  return q;
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W^T for a parsed quantized W; x and y contiguous.
+inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, float* y) {
+  if (M == 0) return;
+  const int64_t K = w.k, N = w.n;
+  const int64_t block_rows = std::max<int64_t>(
+      kPanelMaxRows, kPanelRowBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+  // one row: its sums over groups of 32 inputs (every format with a min has groups of 32)
+  std::vector<float> xsum(M == 1 ? K / kMinGroup : 0);
+  for (size_t g = 0; g < xsum.size(); ++g) {
+    float acc = 0.f;
+    for (int64_t k = g * kMinGroup; k < int64_t(g + 1) * kMinGroup; ++k) acc += x[k];
+    xsum[g] = acc;
+  }
+  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
+    auto part_of = [&](int64_t t) {
+      return static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t) -
+                                 w.first_tile.begin() - 1);
+    };
+    if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= kQExpandOnceBytes) {
+      // More than one block of rows: expand the thread's tiles once, then run them as panel_linear does
+      // per thread, kept across calls: a fresh multi-MB buffer per call cost its page faults (~8% at 1,024 rows)
+      thread_local std::vector<float> panels;
+      if (panels.size() < size_t((t1 - t0) * K * kPanel)) panels.resize((t1 - t0) * K * kPanel);
+      for (int64_t t = t0; t < t1; ++t) {
+        const QuantPart& part = w.parts[part_of(t)];
+        const int64_t local = t - w.first_tile[part_of(t)];
+        part.expand_panel(part.data + local * part.tile_bytes, part.num_groups, panels.data() + (t - t0) * K * kPanel);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+        const int64_t m1 = std::min(M, m0 + block_rows);
+        for (int64_t t = t0; t < t1; ++t) {
+          const size_t p = part_of(t);
+          const int64_t local = t - w.first_tile[p];
+          const int64_t ncols = std::min(kPanel, w.parts[p].rows - local * kPanel);
+          panel_rows<true>(x, m0, m1, K, panels.data() + (t - t0) * K * kPanel, y + w.parts[p].col + local * kPanel,
+                           N, ncols);
+        }
+      }
+      return;
+    }
+    std::vector<float> panel(M > kQFusedRows ? K * kPanel : 0);  // an expanded tile (prefill only)
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m1 = std::min(M, m0 + block_rows);
+      size_t p = part_of(t0);
+      for (int64_t t = t0; t < t1; ++t) {
+        while (t >= w.first_tile[p + 1]) ++p;
+        const QuantPart& part = w.parts[p];
+        const int64_t local = t - w.first_tile[p];
+        const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
+        part.tile_rows(x, xsum.data(), m0, m1, K, part.data + local * part.tile_bytes, part.num_groups, panel.data(),
+                       y + part.col + local * kPanel, N, ncols);
+      }
+    }
+  });
+}
+
+inline int64_t quant_tile_rows() { return kPanel; }
+
+// x [M, K] fp32; data uint8 [bytes]; meta int64 [P, 8] -> y [M, N] fp32 (N: the parts' rows together).
+inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, torch::Tensor meta) {
+  const QuantMatrix w = parse_quant_matrix(data, meta);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && !x.is_cuda(), "x: fp32 CPU [M, K]");
+  TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), w.n}, x.options());
+  quant_linear_raw(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>());
+  return y;
+}
+
+// The fp32 rows `ids` [n] of W -> [n, K]: an embedding lookup in a quantized table (and the tests' dequantize).
+inline torch::Tensor quant_rows(torch::Tensor data, torch::Tensor meta, torch::Tensor ids) {
+  const QuantMatrix w = parse_quant_matrix(data, meta);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids: int64 [n]");
+  auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  const int64_t n = ids_c.numel();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < w.n, "row id ", id[i], " out of range");
+  auto out = torch::empty({n, w.k}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+  const QuantMatrix* wp = &w;
+  at::parallel_for(0, n, 64, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      size_t p = 0;
+      while (id[i] >= wp->parts[p].col + wp->parts[p].rows) ++p;
+      const QuantPart& part = wp->parts[p];
+      const int64_t r = id[i] - part.col;
+      part.tile_weights(part.data + (r / kPanel) * part.tile_bytes, part.num_groups, r % kPanel, o + i * wp->k);
+    }
+  });
+  return out;
+}

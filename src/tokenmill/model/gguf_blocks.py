@@ -1,0 +1,249 @@
+"""GGUF quantized tensors kept quantized: their blocks rewritten once into the layout ``csrc/quant_linear.h`` reads.
+
+Each GGUF type tokenmill keeps maps onto one of four block formats (bits, weights per group, whether a group has
+a min), every weight being ``code * scale + min`` in fp32:
+
+========  =============================================  ==========================================
+GGUF      what a group is in the file                     kept as
+========  =============================================  ==========================================
+Q4_0      32 weights, fp16 ``d``, ``w = d * (q - 8)``     4-bit, scale ``d``, min ``-8 d``
+Q4_1      32 weights, fp16 ``d``, ``m``: ``d * q + m``    4-bit, scale ``d``, min ``m``
+Q4_K      8 sub-blocks of 32 in 256, 6-bit scales/mins     4-bit, scale ``d * sc``, min ``-dmin * m``
+Q5_K      as Q4_K with a fifth bit per weight             8-bit codes 0..31, scale and min as Q4_K
+Q6_K      16 groups of 16 in 256, int8 scales, 6 bits     8-bit codes -32..31, scale ``d * sc``
+Q8_0      32 int8 weights, fp16 ``d``                     8-bit, scale ``d``
+========  =============================================  ==========================================
+
+Every scale and min is an fp16 times a small integer, exact in fp32, and ``code * scale`` is exact too, so the
+single rounding of ``code * scale + min`` (one fused multiply-add in the kernel) gives the very values the
+``gguf`` package's ``dequantize`` gives: tests/unit/test_gguf_blocks.py checks this bit for bit per type.
+Q5_K and Q6_K take a byte per weight here (1.25-1.5 bytes with the scales, against 0.69 and 0.82 in the file):
+the one kernel layout for 5 and 6 bits is a byte, which keeps the kernel to four block formats.
+
+The layout (``csrc/quant_linear.h`` says why): output rows in tiles of the kernels' panel width W; per tile and
+group, W fp32 scales, W fp32 mins (when the format has one), then for each input of the group the W rows'
+codes (4-bit: byte i holds row i low and row i + W/2 high). A :class:`QuantizedWeight` is one or more such
+parts stacked along the output rows, described by ``meta [P, 8]`` int64: (byte offset, rows, K, bits, group,
+has_min, first output row, W).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+QK_K = 256  # weights per K-quant super-block
+
+
+class BlockFormat(NamedTuple):
+    bits: int
+    group: int
+    has_min: bool
+
+
+FORMATS: dict[str, BlockFormat] = {
+    "Q4_0": BlockFormat(4, 32, True),
+    "Q4_1": BlockFormat(4, 32, True),
+    "Q4_K": BlockFormat(4, 32, True),
+    "Q5_K": BlockFormat(8, 32, True),
+    "Q6_K": BlockFormat(8, 16, False),
+    "Q8_0": BlockFormat(8, 32, False),
+}
+QUANTIZED_TYPES = tuple(FORMATS)
+
+
+class Groups(NamedTuple):
+    """One tensor's groups: ``codes [rows, G, group]`` uint8, one per weight (0..15 for 4 bits; int8 values as
+    their bytes for 8), ``scale`` and ``min`` ``[rows, G]`` float32 (``min`` None when the format has none)."""
+
+    fmt: BlockFormat
+    codes: np.ndarray
+    scale: np.ndarray
+    min: np.ndarray | None
+
+    def take_rows(self, order: np.ndarray) -> Groups:
+        return Groups(
+            self.fmt,
+            self.codes[order],
+            self.scale[order],
+            None if self.min is None else self.min[order],
+        )
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """``[..., 2]`` uint8 -> ``[...]`` float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """``[..., 16]`` bytes holding code j low and code j + 16 high -> ``[..., 32]`` codes."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes per super-block -> 8 six-bit scales and 8 six-bit mins (``[n, 8]`` each).
+
+    Bytes 0-3 hold the low 6 bits of scales 0-3 (top 2 bits: high bits of scales 4-7), bytes 4-7 the same for
+    the mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
+    """
+    s = scales.reshape(-1, 3, 4)
+    a, b, c = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
+    """A GGUF tensor's bytes ``[rows, bytes_per_row]`` (``gguf.ReaderTensor.data``) -> its :class:`Groups`."""
+    if type_name not in FORMATS:
+        raise ValueError(
+            f"no quantized kernel for GGUF type {type_name} (kept: {', '.join(QUANTIZED_TYPES)})"
+        )
+    fmt = FORMATS[type_name]
+    rows = raw.shape[0]
+    num_groups = in_features // fmt.group
+    if in_features % fmt.group:
+        raise ValueError(f"{type_name} rows of {in_features} weights are not whole groups of {fmt.group}")
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        block = raw.reshape(rows, num_groups, -1)  # [rows, G, block bytes]
+        d = _f16(block[..., 0:2])
+        if type_name == "Q8_0":
+            return Groups(fmt, np.ascontiguousarray(block[..., 2:]), d, None)
+        if type_name == "Q4_0":
+            return Groups(fmt, _nibbles(block[..., 2:]), d, d * np.float32(-8))
+        return Groups(fmt, _nibbles(block[..., 4:]), d, _f16(block[..., 2:4]))
+    num_super = in_features // QK_K
+    if in_features % QK_K:
+        raise ValueError(f"{type_name} rows of {in_features} weights are not whole super-blocks of {QK_K}")
+    sb = raw.reshape(rows * num_super, -1)  # [n, super-block bytes]
+    n = sb.shape[0]
+    if type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(sb[:, 0:2])[:, None], _f16(sb[:, 2:4])[:, None]
+        sc, mn = _k_scale_min(sb[:, 4:16])
+        scale, minimum = d * sc, -(dmin * mn)  # [n, 8]
+        if type_name == "Q4_K":
+            qs = sb[:, 16:144].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            codes = (qs & 15).reshape(
+                n, 8, 32
+            )  # sub-block 2c: low nibbles of bytes 32c.., 2c+1: the high ones
+        else:
+            qh = sb[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
+                1, 8, 1
+            )  # bit s: sub-block s
+            qs = sb[:, 48:176].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            codes = ((qs & 15).reshape(n, 8, 32) | ((qh & 1) << 4)).astype(np.uint8)
+        return Groups(
+            fmt,
+            codes.reshape(rows, num_groups, -1),
+            scale.reshape(rows, num_groups),
+            minimum.reshape(rows, num_groups),
+        )
+    # Q6_K: ql [128], qh [64], int8 scales [16], fp16 d, per super-block
+    ql = sb[:, 0:128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = sb[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = ((ql & 15).reshape(n, 8, 32) | ((qh & 3).reshape(n, 8, 32) << 4)).astype(np.int16) - 32
+    scales = np.ascontiguousarray(sb[:, 192:208]).view(np.int8).astype(np.float32)  # [n, 16]
+    d = _f16(sb[:, 208:210])[:, None]
+    return Groups(
+        fmt,
+        q.astype(np.int8).view(np.uint8).reshape(rows, num_groups, 16),
+        (d * scales).reshape(rows, num_groups),
+        None,
+    )
+
+
+def pack_groups(groups: Groups, tile_rows: int) -> np.ndarray:
+    """:class:`Groups` -> the tile layout's bytes (rows padded to whole tiles of ``tile_rows`` with zeros)."""
+    fmt, rows, num_groups = groups.fmt, groups.codes.shape[0], groups.codes.shape[1]
+    padded = -(-rows // tile_rows) * tile_rows
+    num_tiles = padded // tile_rows
+
+    def tiles(a: np.ndarray) -> np.ndarray:  # [rows, ...] -> [tiles, tile_rows, ...], zero rows appended
+        if padded != rows:
+            a = np.concatenate([a, np.zeros((padded - rows, *a.shape[1:]), a.dtype)])
+        return a.reshape(num_tiles, tile_rows, *a.shape[1:])
+
+    fields = [tiles(groups.scale).transpose(0, 2, 1)]  # [tiles, G, tile_rows] float32
+    if fmt.has_min:
+        assert groups.min is not None
+        fields.append(tiles(groups.min.astype(np.float32)).transpose(0, 2, 1))
+    heads = [np.ascontiguousarray(f).view(np.uint8) for f in fields]  # [tiles, G, 4 * tile_rows] each
+    codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [tiles, G, group, tile_rows]: the rows of one input
+    if fmt.bits == 4:
+        half = tile_rows // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
+    codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
+    return np.concatenate([*heads, codes], axis=-1).reshape(-1)  # [tiles, G, group bytes]
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized ``[out_features, in_features]`` matrix: ``data`` uint8 bytes and ``meta`` int64 ``[P, 7]``."""
+
+    data: torch.Tensor
+    meta: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return int(self.meta[:, 1].sum())
+
+    @property
+    def in_features(self) -> int:
+        return int(self.meta[0, 2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.meta.numel() * 8
+
+    def type_summary(self) -> str:
+        return "+".join(f"{int(b)}bit/g{int(g)}" for b, g in self.meta[:, 3:5].tolist())
+
+    @classmethod
+    def from_groups(cls, parts: list[Groups], tile_rows: int) -> QuantizedWeight:
+        """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
+
+        ``tile_rows``: the kernels' panel width (``cpu_kernels.quant_tile_rows()``); any even number for the
+        torch path alone.
+        """
+        chunks, meta, offset, row = [], [], 0, 0
+        in_features = parts[0].codes.shape[1] * parts[0].fmt.group
+        for g in parts:
+            if g.codes.shape[1] * g.fmt.group != in_features:
+                raise ValueError("stacked quantized parts must have the same number of input features")
+            packed = pack_groups(g, tile_rows)
+            rows = g.codes.shape[0]
+            meta.append(
+                [offset, rows, in_features, g.fmt.bits, g.fmt.group, int(g.fmt.has_min), row, tile_rows]
+            )
+            chunks.append(packed)
+            offset += packed.size
+            row += rows
+        data = torch.from_numpy(np.concatenate(chunks))
+        return cls(data, torch.tensor(meta, dtype=torch.int64))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 weight ``[out, in]`` (or its ``rows``), in plain torch: the reference and the fallback."""
+        out = []
+        for offset, n, k, bits, group, has_min, _, width in self.meta.tolist():
+            num_groups, num_tiles = k // group, -(-n // width)
+            head = (2 if has_min else 1) * 4 * width
+            group_bytes = head + group * width * bits // 8
+            tiles = self.data[offset : offset + num_tiles * num_groups * group_bytes]
+            tiles = tiles.view(num_tiles, num_groups, group_bytes)
+            scale = tiles[..., : 4 * width].contiguous().view(torch.float32)[:, :, None, :]  # [T, G, 1, W]
+            codes = tiles[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
+            if bits == 4:
+                q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
+            else:
+                q = codes.contiguous().view(torch.int8).float()
+            if has_min:
+                minimum = tiles[..., 4 * width : head].contiguous().view(torch.float32)[:, :, None, :]
+                w = torch.addcmul(minimum, q, scale)
+            else:
+                w = q * scale
+            out.append(w.permute(0, 3, 1, 2).reshape(num_tiles * width, k)[:n])  # [T, W, G, group] -> rows
+        full = torch.cat(out)
+        return full if rows is None else full[rows]

@@ -1,0 +1,136 @@
+"""GGUF blocks kept quantized (``model/gguf_blocks.py``, ``csrc/quant_linear.h``) against the ``gguf`` package.
+
+The block rewrite must reproduce ``gguf.quants.dequantize`` bit for bit for every type; the kernel, on every
+variant this CPU runs, must match ``dequantize`` followed by a float64 matmul, for the model's shapes and odd
+ones (rows not a multiple of a tile, 1 to 300 rows of x, fused parts of different types).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_models import random_blocks
+
+from tokenmill.model.gguf_blocks import FORMATS, QuantizedWeight, to_groups
+
+
+def reference(type_name: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], in_features))
+
+
+def quantized(
+    type_name: str, rows: int, in_features: int, seed: int, tile_rows: int
+) -> tuple[QuantizedWeight, torch.Tensor]:
+    raw = random_blocks(type_name, rows, in_features, seed)
+    weight = QuantizedWeight.from_groups([to_groups(type_name, raw, in_features)], tile_rows)
+    return weight, reference(type_name, raw, in_features)
+
+
+def assert_fp32_matmul(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``out`` is ``x @ w.T`` up to fp32 summation error: relative to ``|x| @ |w|.T``, under 1e-5."""
+    expected = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T).clamp_min(1e-30)
+    assert ((out.double() - expected).abs() / scale).max() < 1e-5
+
+
+def _k(type_name: str) -> int:
+    return 256 if type_name.endswith("_K") else 32
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+@pytest.mark.parametrize(("rows", "tile_rows"), [(1, 8), (7, 16), (64, 32), (33, 32)])
+def test_rewritten_blocks_dequantize_bit_for_bit(type_name: str, rows: int, tile_rows: int) -> None:
+    in_features = 3 * _k(type_name)
+    weight, expected = quantized(type_name, rows, in_features, seed=rows, tile_rows=tile_rows)
+    assert weight.out_features == rows and weight.in_features == in_features
+    assert torch.equal(weight.dequantize(), expected)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_kernel_rows_are_the_reference_rows(kernel_variant, type_name: str) -> None:
+    """The embedding lookup's C++ path: rows decoded by the kernel's own block code, exactly."""
+    in_features = 2 * _k(type_name)
+    weight, expected = quantized(
+        type_name, 45, in_features, seed=3, tile_rows=kernel_variant.quant_tile_rows()
+    )
+    ids = torch.tensor([0, 44, 5, 5, 33, 17], dtype=torch.int64)
+    assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), expected[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel_variant.quant_rows(weight.data, weight.meta, torch.tensor([45]))
+
+
+# (x rows, out, type): the embedded model's shapes and odd ones
+KERNEL_CASES = [
+    (1, 960, 576, "Q4_1"),
+    (4, 576, 576, "Q4_1"),
+    (8, 100, 576, "Q4_1"),
+    (9, 100, 576, "Q4_1"),
+    (1, 576, 1536, "Q4_1"),
+    (3, 3072, 576, "Q4_1"),
+    (300, 93, 576, "Q4_1"),
+    (1, 5, 576, "Q8_0"),
+    (17, 49, 96, "Q8_0"),
+    (2, 30, 64, "Q4_0"),
+    (5, 11, 512, "Q4_K"),
+    (130, 6, 256, "Q4_K"),
+    (1000, 40, 1536, "Q4_K"),
+    (1, 9, 768, "Q5_K"),
+    (64, 3, 256, "Q5_K"),
+    (1, 7, 512, "Q6_K"),
+    (33, 18, 256, "Q6_K"),
+]
+
+
+@pytest.mark.parametrize(("num_rows", "out_features", "in_features", "type_name"), KERNEL_CASES)
+def test_kernel_matches_dequantize_then_float64(
+    kernel_variant, num_rows, out_features, in_features, type_name
+):
+    width = kernel_variant.quant_tile_rows()
+    weight, w = quantized(type_name, out_features, in_features, seed=num_rows + out_features, tile_rows=width)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
+    assert_fp32_matmul(kernel_variant.quant_linear(x, weight.data, weight.meta), x, w)
+
+
+def test_fused_parts_of_different_types(kernel_variant) -> None:
+    """A fused qkv of Q4_K, Q4_K and Q6_K rows: each part keeps its format, outputs side by side."""
+    in_features = 512
+    raws = [
+        random_blocks(t, r, in_features, seed)
+        for t, r, seed in (("Q4_K", 9, 1), ("Q4_K", 6, 2), ("Q6_K", 5, 3))
+    ]
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    groups = [to_groups(t, r, in_features) for t, r in zip(types, raws)]
+    weight = QuantizedWeight.from_groups(groups, kernel_variant.quant_tile_rows())
+    w = torch.cat([reference(t, r, in_features) for t, r in zip(types, raws)])
+    assert weight.type_summary() == "4bit/g32+4bit/g32+8bit/g16"
+    assert torch.equal(weight.dequantize(), w)
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0))
+    assert_fp32_matmul(kernel_variant.quant_linear(x, weight.data, weight.meta), x, w)
+    ids = torch.arange(20)
+    assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), w)
+
+
+def test_kernel_refuses_bad_meta(kernel_variant) -> None:
+    weight, _ = quantized("Q4_1", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
+    x = torch.randn(1, 64)
+    short = weight.data[:-1].clone()
+    with pytest.raises(RuntimeError, match="past the data"):
+        kernel_variant.quant_linear(x, short, weight.meta)
+    bad = weight.meta.clone()
+    bad[0, 3] = 5
+    with pytest.raises(RuntimeError, match="no block format"):
+        kernel_variant.quant_linear(x, weight.data, bad)
+    with pytest.raises(RuntimeError, match="features"):
+        kernel_variant.quant_linear(torch.randn(1, 32), weight.data, weight.meta)
+    other = weight.meta.clone()
+    other[0, 7] = 2 * kernel_variant.quant_tile_rows()
+    with pytest.raises(RuntimeError, match="tiles of"):
+        kernel_variant.quant_linear(x, weight.data, other)
+
+
+def test_unsupported_type_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="Q5_0"):
+        to_groups("Q5_0", np.zeros((1, 22), np.uint8), 32)

@@ -1,0 +1,221 @@
+"""A tiny random Llama written as a K-quant / mixed-type GGUF with the ``gguf`` package: loaded with its blocks
+kept (``quantization="gguf"``, the default for such a file) it gives the logits of its dequantized fp32 twin
+(``quantization="fp32"``, whose weights test_loader_errors checks against ``gguf``'s dequantize), through the
+flat-batch prefill and the decode stack, on every kernel variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_models import random_blocks
+
+from tokenmill.model import gguf_loader
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.loader import LoadedModel, allocate_kv_cache, load_model
+from tokenmill.model.quant import QuantizedEmbedding, QuantizedLinear
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 64  # K-quant rows: multiples of 256
+HEAD_DIM = HIDDEN // HEADS
+# tensor kind -> type: Q4_K_M-like (q/k Q4_K, v Q6_K in one fused qkv), the rest spread over every kept type
+TYPES = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q5_K",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q8_0",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q8_0",
+    "output": "Q4_1",
+}
+_QUANTIZERS = (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q8_0",
+)  # the gguf package quantizes these; K-quants get random valid blocks
+
+
+@pytest.fixture(autouse=True)
+def _tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def write_gguf(path: Path, types: dict[str, str], tied: bool = False, seed: int = 0) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_tokenizer_model("gpt2")
+    tokens = (
+        [chr(ord("a") + i) for i in range(26)] + ["<s>", "</s>", "xy"] + [f"t{i}" for i in range(VOCAB - 29)]
+    )
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["x y"])
+    writer.add_token_types([1] * 26 + [3, 3] + [1] * (VOCAB - 28))
+    writer.add_bos_token_id(26)
+    writer.add_eos_token_id(27)
+    rng = np.random.default_rng(seed)
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
+    tensors: list[tuple[str, str, tuple[int, int]]] = [("token_embd.weight", "token_embd", (VOCAB, HIDDEN))]
+    if not tied:
+        tensors.append(("output.weight", "output", (VOCAB, HIDDEN)))
+    for layer in range(LAYERS):
+        tensors += [(f"blk.{layer}.{kind}.weight", kind, shape) for kind, shape in shapes.items()]
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    for layer in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(
+                f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
+            )
+    for i, (name, kind, (rows, cols)) in enumerate(tensors):
+        type_name = types.get(kind, "F32")
+        if type_name in ("F32", "F16"):
+            array = (0.05 * rng.standard_normal((rows, cols))).astype(
+                np.float32 if type_name == "F32" else np.float16
+            )
+            writer.add_tensor(name, array)
+            continue
+        qtype = gguf.GGMLQuantizationType[type_name]
+        if type_name in _QUANTIZERS:
+            data = gguf.quants.quantize((0.05 * rng.standard_normal((rows, cols))).astype(np.float32), qtype)
+        else:
+            data = random_blocks(type_name, rows, cols, seed=seed * 1000 + i)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@torch.inference_mode()
+def prefill_then_decode(loaded: LoadedModel, prompts: list[list[int]], num_decode: int) -> list[torch.Tensor]:
+    """Logits of every prompt's last token (one flat prefill batch), then of ``num_decode`` greedy decode steps
+    of all rows together (the decode stack's path where one is built)."""
+    model, config, block_size = loaded.model, loaded.config, 4
+    kv = allocate_kv_cache(config, 64, block_size, torch.float32, "cpu")
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
+    lens = [len(p) for p in prompts]
+    meta = AttentionMetadata.build(lens, lens, tables, block_size, "cpu")
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    hidden = model(ids, positions, meta, kv)
+    logits = model.compute_logits(hidden[torch.tensor(meta.query_start_loc[1:]) - 1])
+    out = [logits]
+    for _ in range(num_decode):
+        ids = logits.argmax(-1)
+        positions = torch.tensor(lens)
+        lens = [n + 1 for n in lens]
+        meta = AttentionMetadata.build([1] * len(prompts), lens, tables, block_size, "cpu")
+        logits = model.compute_logits(model(ids, positions, meta, kv))
+        out.append(logits)
+    return out
+
+
+PROMPTS = [[3, 7, 1, 9, 30], [5] * 13, [40, 41, 42]]
+
+
+def test_kept_blocks_match_the_dequantized_twin(kernel_variant, tmp_path: Path) -> None:
+    path = tmp_path / "tiny-mixed.gguf"
+    write_gguf(path, TYPES)
+    kept = load_model(str(path), device="cpu")
+    assert kept.quantization == "gguf"
+    qkv = kept.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.weight.type_summary() == "4bit/g32+4bit/g32+8bit/g16"
+    assert isinstance(kept.model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(kept.model.lm_head, QuantizedLinear)
+    twin = load_model(str(path), device="cpu", quantization="fp32")
+    assert twin.quantization == "fp32" and not isinstance(twin.model.lm_head, QuantizedLinear)
+    if kernel_variant.isa() != "base":
+        assert kept.model.decode_stack is not None
+    for step, (a, b) in enumerate(
+        zip(prefill_then_decode(kept, PROMPTS, 3), prefill_then_decode(twin, PROMPTS, 3))
+    ):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=0, msg=f"step {step}")
+    assert kept.weight_bytes < twin.weight_bytes / 3
+
+
+def test_tied_head_shares_the_embedding_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-tied.gguf"
+    write_gguf(path, TYPES, tied=True)
+    kept = load_model(str(path), device="cpu")
+    embed, head = kept.model.model.embed_tokens, kept.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.data.data_ptr() == embed.data.data_ptr()
+    twin = load_model(str(path), device="cpu", quantization="fp32")
+    a, b = prefill_then_decode(kept, PROMPTS, 1), prefill_then_decode(twin, PROMPTS, 1)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=2e-4, rtol=0)
+
+
+def test_a_dense_part_makes_its_fused_projection_dense(tmp_path: Path) -> None:
+    """q in F16 next to Q4_K k and v: the fused qkv is one fp32 matrix (exact, only larger); the rest stays kept."""
+    path = tmp_path / "tiny-f16q.gguf"
+    write_gguf(path, {**TYPES, "attn_q": "F16"})
+    kept = load_model(str(path), device="cpu")
+    layer = kept.model.model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj, QuantizedLinear)
+    assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
+    twin = load_model(str(path), device="cpu", quantization="fp32")
+    torch.testing.assert_close(
+        prefill_then_decode(kept, PROMPTS, 0)[0], prefill_then_decode(twin, PROMPTS, 0)[0], atol=2e-4, rtol=0
+    )
+
+
+def test_without_kernels_the_default_dequantizes_and_gguf_still_works(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, TYPES)
+    from tokenmill.model import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "quant_kernels", lambda: None)
+    monkeypatch.setattr(
+        cpu_kernels, "loaded", lambda: cpu_kernels.LoadedKernels(None, None, "test", "cpu", frozenset())
+    )
+    assert load_model(str(path), device="cpu").quantization == "fp32"
+    torch_path = load_model(
+        str(path), device="cpu", quantization="gguf"
+    )  # the torch fallback: dequantize per call
+    monkeypatch.undo()
+    kernels = load_model(str(path), device="cpu", quantization="gguf")
+    torch.testing.assert_close(
+        prefill_then_decode(torch_path, PROMPTS, 1)[1],
+        prefill_then_decode(kernels, PROMPTS, 1)[1],
+        atol=2e-4,
+        rtol=0,
+    )
+
+
+def test_gguf_mode_refuses_what_it_cannot_run(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, TYPES)
+    with pytest.raises(ValueError, match="CPU in float32"):
+        load_model(str(path), device="cpu", dtype="bfloat16", quantization="gguf")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        load_model(str(tmp_path), device="cpu", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(str(path), device="cpu", quantization="q4")
+
+
+def test_unsupported_quantized_type_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-q5_0.gguf"
+    write_gguf(path, {**TYPES, "ffn_up": "Q5_0"})
+    with pytest.raises(ValueError, match="Q5_0"):
+        load_model(str(path), device="cpu")
+    assert "Q5_0" not in gguf_loader._SUPPORTED_TYPES
