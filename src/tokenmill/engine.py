@@ -91,8 +91,14 @@ class Engine:
             max_num_preemptions=config.max_num_preemptions,
         )
         self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
+        model_config = loaded.config
+        windows = [model_config.layer_window(i) for i in range(model_config.num_hidden_layers)]
         self.kv_manager = KVCacheManager(
-            self.cache_config, config.reserve, enable_caching=config.enable_prefix_caching
+            self.cache_config,
+            config.reserve,
+            enable_caching=config.enable_prefix_caching,
+            # blocks outside the window are released only when every layer has one (Qwen2's lower layers may not)
+            sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
         self.runner = ModelRunner(loaded, self.num_total_blocks, config.block_size, seed=config.seed)

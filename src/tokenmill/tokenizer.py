@@ -6,7 +6,8 @@ plus ``tokenizers`` and ``jinja2``: no torch.
 
 From a GGUF file the BPE is rebuilt from ``tokenizer.ggml.*`` metadata::
 
-    tokens, merges         -> BPE model (byte-level, as GPT-2)
+    model "gpt2": tokens, merges -> BPE model (byte-level, as GPT-2)
+    model "llama": tokens, scores -> SentencePiece BPE with byte fallback (merges ranked by score)
     token_type 3/4         -> special added tokens (control / user-defined)
     tokenizer.ggml.pre     -> pre-tokenizer split rule (see _PRE_TOKENIZER_RULES)
     add_bos/add_eos_token  -> a post-processor adding them
@@ -25,7 +26,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,12 @@ class Tokenizer:
         """As :meth:`from_gguf`, from an already-open ``gguf.GGUFReader`` (the weight loader can share one)."""
         meta = _GGUFMetadata(reader)
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            hint = " (SentencePiece GGUFs are not supported yet)" if model == "llama" else ""
+        if model not in ("gpt2", "llama"):
             raise ValueError(
-                f"{source}: tokenizer model {model!r} is not supported{hint}; only 'gpt2' (byte-level BPE) is"
+                f"{source}: tokenizer model {model!r} is not supported; 'gpt2' (byte-level BPE) and 'llama' "
+                "(SentencePiece BPE) are"
             )
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-        merges: list[str] = meta.require("tokenizer.ggml.merges")
         token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(token_types) != len(tokens):
             raise ValueError(f"{source}: {len(token_types)} token types for {len(tokens)} tokens")
@@ -115,12 +115,16 @@ class Tokenizer:
                 logger.warning("%s: token %r repeated at ids %d and %d", source, tok, vocab[tok], i)
                 continue
             vocab[tok] = i
-        merge_pairs = [_split_merge(m, source) for m in merges]
-        backend = _RustTokenizer(
-            models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
-        )
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default", source)
-        backend.decoder = decoders.ByteLevel()
+        if model == "gpt2":
+            merges: list[str] = meta.require("tokenizer.ggml.merges")
+            merge_pairs = [_split_merge(m, source) for m in merges]
+            backend = _RustTokenizer(
+                models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
+            )
+            backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default", source)
+            backend.decoder = decoders.ByteLevel()
+        else:
+            backend = _sentencepiece_backend(meta, tokens, vocab, source)
         specials = [
             AddedToken(tokens[i], special=True, normalized=False)
             for i, kind in enumerate(token_types)
@@ -130,7 +134,8 @@ class Tokenizer:
 
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (older files have no flag)
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
         if add_bos or add_eos:
             backend.post_processor = _bos_eos_processor(
@@ -328,6 +333,58 @@ def _split_merge(merge: str, source: str) -> tuple[str, str]:
     if not sep or not left or not right:
         raise ValueError(f"{source}: malformed BPE merge {merge!r}")
     return left, right
+
+
+def _sentencepiece_backend(
+    meta: Any, tokens: list[str], vocab: dict[str, int], source: str
+) -> _RustTokenizer:
+    """A GGUF ``llama`` vocabulary (SentencePiece BPE: pieces with scores, ``▁`` for a space, ``<0xNN>`` byte
+    pieces) as a ``tokenizers`` BPE with byte fallback, spelled the way transformers' ``LlamaTokenizer`` reads
+    it: a ``▁`` prepended to the first word and spaces as ``▁``.
+
+    The file rarely lists merges; then they come from the scores, as SentencePiece's BPE applies them: every split
+    of a piece into two pieces of the vocabulary is a merge ranked by the whole piece's score (higher first;
+    ties: longer left part, longer right part, the piece's id, the parts' ids).
+    """
+    merges_field = meta.get("tokenizer.ggml.merges")
+    if merges_field:
+        merges = [_split_merge(m, source) for m in merges_field]
+    else:
+        scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        if len(scores) != len(tokens):
+            raise ValueError(f"{source}: {len(scores)} scores for {len(tokens)} tokens")
+        ranked: list[tuple[float, int, int, int, int, int, str, str]] = []
+        for piece, index in vocab.items():
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in vocab and right in vocab:
+                    key = (-scores[index], -len(left), -len(right), index, vocab[left], vocab[right])
+                    ranked.append((*key, left, right))
+        ranked.sort()
+        merges = [(left, right) for *_, left, right in ranked]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = _RustTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    arch = meta.get("general.architecture")
+    if (
+        arch == "phi3"
+    ):  # Phi-3's tokenizer.json: the prefix and spaces from a normalizer (differs on leading spaces)
+        steps = [normalizers.Replace(pattern=" ", content="▁")]
+        backend.normalizer = normalizers.Sequence(
+            ([normalizers.Prepend(prepend="▁")] if add_prefix else []) + steps
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
+        )
+    steps_out = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps_out.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps_out)
+    return backend
 
 
 def _gguf_pre_tokenizer(pre: str, source: str) -> pre_tokenizers.PreTokenizer:

@@ -158,3 +158,37 @@ def test_integrity_detects_tampering() -> None:
 def test_bad_reserve() -> None:
     with pytest.raises(ValueError, match="reserve"):
         manager(4, reserve="sometimes")
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_sliding_window_releases_blocks_no_query_can_see(caching: bool) -> None:
+    """Window 6, blocks of 4: after 13 computed tokens the next query (position 13) sees positions 8..13, so
+    blocks 0 (positions 0-3) and 1 (4-7) go back; the table keeps their places as DROPPED."""
+    from tokenmill.cache.kv_cache_manager import DROPPED
+
+    m = KVCacheManager(CacheConfig(block_size=4, num_blocks=8), enable_caching=caching, sliding_window=6)
+    r = req("a", 13, max_tokens=20)
+    assert m.allocate_slots(r, 13) == [0, 1, 2, 3]
+    r.num_computed_tokens = 13
+    m.cache_full_blocks(r)
+    assert m.release_outside_window(r) == 2
+    assert r.block_ids == [DROPPED, DROPPED, 2, 3]
+    assert m.num_free_blocks == 6
+    assert m.release_outside_window(r) == 0  # nothing new
+    m.check_integrity()
+    new = m.allocate_slots(r, 4)
+    assert new is not None and len(new) == 1 and r.block_ids[-1] == new[0]  # one more block
+    r.num_computed_tokens = 17
+    assert m.release_outside_window(r) == 1  # first visible now 12: block 2 (8-11) goes
+    m.check_integrity()
+    m.free(r)
+    assert m.num_free_blocks == 8
+    m.check_integrity()
+
+
+def test_no_window_releases_nothing() -> None:
+    m = manager(8)
+    r = req("a", 13)
+    m.allocate_slots(r, 13)
+    r.num_computed_tokens = 13
+    assert m.release_outside_window(r) == 0 and len(r.block_ids) == 4

@@ -110,12 +110,12 @@ def test_config_rejects_what_it_cannot_run() -> None:
     missing = {k: v for k, v in TINY_HF_CONFIG.items() if k != "hidden_size"}
     with pytest.raises(ValueError, match="hidden_size"):
         LlamaConfig.from_hf_dict(missing)
-    with pytest.raises(ValueError, match="sliding_window"):
-        LlamaConfig.from_hf_dict({**TINY_HF_CONFIG, "model_type": "mistral", "sliding_window": 4096})
     with pytest.raises(ValueError, match="yarn"):
         LlamaConfig.from_hf_dict({**TINY_HF_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="attention_bias"):
-        LlamaConfig.from_hf_dict({**TINY_HF_CONFIG, "attention_bias": True})
+        LlamaConfig.from_hf_dict({**TINY_HF_CONFIG, "model_type": "mistral", "attention_bias": True})
+    with pytest.raises(ValueError, match="mlp_bias"):
+        LlamaConfig.from_hf_dict({**TINY_HF_CONFIG, "mlp_bias": True})
 
 
 def test_config_reads_transformers_4_and_5_rope_keys() -> None:

@@ -207,8 +207,8 @@ def _fake_reader(**fields: Any) -> SimpleNamespace:
     return SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in fields.items()})
 
 
-def test_gguf_rejects_sentencepiece_and_unknown_models() -> None:
-    with pytest.raises(ValueError, match="'llama'.*SentencePiece"):
+def test_gguf_rejects_unknown_models_and_a_sentencepiece_file_without_tokens() -> None:
+    with pytest.raises(ValueError, match="tokenizer.ggml.tokens"):
         Tokenizer.from_gguf_reader(_fake_reader(**{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(ValueError, match="'bert'"):
         Tokenizer.from_gguf_reader(_fake_reader(**{"tokenizer.ggml.model": "bert"}))
@@ -247,3 +247,69 @@ def test_gguf_tiny_vocab_with_bos_and_llama3_split() -> None:
 )
 def test_pre_tokenizer_rules(pre: str, text: str, pieces: list[str]) -> None:
     assert [p for p, _ in _gguf_pre_tokenizer(pre, "test").pre_tokenize_str(text)] == pieces
+
+
+# --- SentencePiece GGUF vocabularies (tokenizer.ggml.model == "llama") ----------------------------------
+_SPM_WORDS = (
+    "the cat sat on mat hello world a an and of to in is it that was he for with as his they at be this"
+)
+_SPM_TEXTS = [
+    "the cat sat on the mat",
+    "Hello world",
+    "hello world!",
+    "  two leading spaces",
+    "naïve café 日本",  # pieces absent from the vocabulary: byte fallback
+    "tabs\tand\nnewlines",
+    "",
+    "a",
+    "that was his",
+    "xyz qqq</s>",
+]
+
+
+def _write_spm_gguf(path: Path) -> None:
+    """A llama-style SentencePiece vocabulary: <unk>, <s>, </s>, 256 byte pieces, then scored pieces."""
+    import gguf
+
+    pieces = [*"▁etaonishrldcwmfgpbuyvkxqzj.,!?'"]
+    pieces += ["th", "he", "in", "er", "an", "at", "on", "▁t", "▁a", "▁s", "▁c", "▁w", "▁h", "▁o", "▁m"]
+    pieces += ["ll", "or", "ld", "lo", "wor", "hel", "ca", "sa", "ma", "is"]
+    pieces += [f"▁{w}" for w in _SPM_WORDS.split()] + _SPM_WORDS.split()
+    pieces = list(dict.fromkeys(pieces))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [10.0 * len(p) - i for i, p in enumerate(pieces)]  # whole words above their parts
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_sentencepiece_gguf_matches_transformers_and_round_trips(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    _write_spm_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_gguf(tmp_path / "spm.gguf")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    assert ours.bos_token_id == 1 and 2 in ours.eos_token_ids
+    for text in _SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ids[0] == 1  # llama.cpp's default for a SentencePiece vocabulary: BOS first
+        expected_text = reference.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids) == expected_text, text
+        if not text.startswith(" ") and "</s>" not in text:
+            assert expected_text == text  # round trip

@@ -34,6 +34,8 @@ from tokenmill.cache.block_pool import BlockPool
 from tokenmill.config import CacheConfig
 from tokenmill.request import Request
 
+DROPPED = -1  # a block-table entry whose block went back to the pool (outside the sliding window)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -45,10 +47,15 @@ class KVCacheManager:
         cache_config: CacheConfig,
         reserve: Literal["none", "worst_case"] = "none",
         enable_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         if reserve not in ("none", "worst_case"):
             raise ValueError(f"reserve must be 'none' or 'worst_case', got {reserve!r}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.enable_caching = enable_caching
+        # every layer attends to at most this many keys back: blocks wholly before a request's window go back
+        self.sliding_window = sliding_window
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.reserve = reserve
@@ -185,6 +192,20 @@ class KVCacheManager:
         self._requests[request.request_id] = request
         return new_blocks
 
+    def release_outside_window(self, request: Request) -> int:
+        """With a sliding window on every layer: give back the request's blocks that no later query can see
+        (every position in them ``< num_computed_tokens - window + 1``); their table entries become
+        :data:`DROPPED`, so positions keep their block index. Returns how many were released."""
+        if self.sliding_window is None or request.request_id not in self._requests:
+            return 0
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        num_droppable = min(max(0, first_visible) // self.block_size, len(request.block_ids))
+        released = [b for b in request.block_ids[:num_droppable] if b != DROPPED]
+        if released:
+            self.pool.free(released)
+            request.block_ids[:num_droppable] = [DROPPED] * num_droppable
+        return len(released)
+
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks (tail first) and its reservation. No-op if it holds none."""
         tracked = self._requests.pop(request.request_id, None)
@@ -194,7 +215,7 @@ class KVCacheManager:
             return
         if tracked is not request:
             raise RuntimeError(f"two requests share the id {request.request_id!r}")
-        self.pool.free(request.block_ids)
+        self.pool.free([b for b in request.block_ids if b != DROPPED])
         self._num_reserved_unused -= request.num_reserved_blocks
         request.block_ids = []
         request.num_reserved_blocks = 0
@@ -236,6 +257,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(request.num_cached_blocks, num_full):
+            if request.block_ids[i] == DROPPED:  # released before it was registered: nothing to cache
+                continue
             self.pool.cache(request.block_ids[i], hashes[i])  # False: a twin computed at once; stays private
         request.num_cached_blocks = num_full
 
@@ -257,10 +280,13 @@ class KVCacheManager:
                 )
             num_reserved += request.num_reserved_blocks
             for b in request.block_ids:
-                owners[b] = owners.get(b, 0) + 1
+                if b != DROPPED:
+                    owners[b] = owners.get(b, 0) + 1
             if request.num_cached_blocks > len(request.block_ids):
                 raise RuntimeError(f"request {request_id!r} counts more cached blocks than it holds")
             for i, b in enumerate(request.block_ids[: request.num_cached_blocks]):
+                if b == DROPPED:
+                    continue
                 mapped = self.pool.hash_of(b)
                 if mapped is not None and mapped != request.block_hashes[i]:
                     raise RuntimeError(f"request {request_id!r} holds block {b} cached for other tokens")

@@ -121,6 +121,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute, budget)
             assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
+            self.kv.release_outside_window(request)  # a sliding window: blocks no query will read again
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # it preempted itself: it was the last running request
             out.rows.append(self._make_row(request, num_new, out.record))

@@ -129,6 +129,9 @@ class AttentionMetadata:
             for pos in range(seq_len - query_len, seq_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         max_num_blocks = max((len(t) for t in block_tables), default=0)
+        # entries released outside a sliding window (-1) are never read: any valid id will do
+        if any(t and min(t) < 0 for t in block_tables):
+            block_tables = [[max(b, 0) for b in t] for t in block_tables]
         padded = [t + [0] * (max_num_blocks - len(t)) for t in block_tables]
         meta = cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -247,8 +250,49 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) 
     return flat.view(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
 
 
+def paged_attention_windowed(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Sliding-window attention, one sequence at a time: each reads only the blocks holding keys some query of its
+    can see (the window before its first new token onwards), one SDPA call with the causal-and-window mask."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    bs = meta.block_size
+    for i, seq_len in enumerate(meta.seq_lens):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        first_query = seq_len - (end - start)
+        first_key = max(0, first_query - window + 1)
+        first_block = first_key // bs
+        blocks = meta.block_tables[i, first_block : _num_blocks(seq_len, bs)]
+        base = first_block * bs  # position of the first gathered key
+        k = _gather_context(k_cache, blocks, seq_len - base)  # [S, Hkv, D]
+        v = _gather_context(v_cache, blocks, seq_len - base)
+        query_pos = torch.arange(first_query, seq_len, device=q.device)[:, None]
+        key_pos = torch.arange(base, seq_len, device=q.device)[None, :]
+        visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [Tq, S]
+        attended = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),  # [Hq, Tq, D]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out
+
+
 def paged_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One sequence at a time, in float32: gather, repeat KV heads, mask, softmax. For tests."""
     num_heads = q.shape[1]
@@ -266,20 +310,31 @@ def paged_attention_reference(
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         visible = key_pos[None, :] <= query_pos[:, None]  # [Tq, S]
+        if window is not None:
+            visible &= key_pos[None, :] > query_pos[:, None] - window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hts,shd->thd", probs, v).to(q.dtype)  # [Tq, Hq, D]
     return out
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q [num_tokens, num_heads, head_dim]`` against the paged cache -> ``[num_tokens, num_heads, head_dim]``.
 
-    The new tokens' K/V must already be in the cache (:func:`write_kv`).
+    The new tokens' K/V must already be in the cache (:func:`write_kv`). ``window``: a sliding window (key ``j``
+    visible to query ``i`` when ``i - window < j <= i``). While every sequence is within it the window changes
+    nothing and the fast paths run; past it, the step goes through :func:`paged_attention_windowed`.
     """
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.num_tokens} tokens")
+    if window is not None and max(meta.seq_lens, default=0) > window:
+        return paged_attention_windowed(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous whatever q's strides
     kernel = paged_decode_kernel()
     fp32 = q.dtype == torch.float32 and k_cache.dtype == torch.float32

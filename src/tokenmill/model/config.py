@@ -1,7 +1,19 @@
-"""The Llama hyperparameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
+"""The decoder's hyperparameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
 
-Pure Python. Anything tokenmill cannot run (another architecture, biases, an unknown RoPE variant) is
-refused here with a ``ValueError`` that names it, before any weight is read.
+One decoder (``llama.py``) runs every family below; a family is a set of these fields, not a copy of the model:
+
+=========  ======================================================================================
+family     differs from Llama in
+=========  ======================================================================================
+llama      (``attention_bias`` puts a bias on q, k, v and o)
+mistral    ``sliding_window`` on every layer (when set)
+qwen2      a bias on q, k and v; a sliding window on layers >= ``max_window_layers`` when asked
+qwen3      RMSNorm of each head's q and k before RoPE (``qk_norm``), ``head_dim`` of its own, optional bias
+phi3       q/k/v and gate/up fused in the checkpoint; ``partial_rotary_factor``; ``sliding_window``
+=========  ======================================================================================
+
+Pure Python. Anything tokenmill cannot run (another architecture, MoE layers, an MLP bias, an unknown RoPE
+variant) is refused here with a ``ValueError`` that names it, before any weight is read.
 """
 
 from __future__ import annotations
@@ -17,6 +29,16 @@ _REQUIRED_HF_KEYS = (
     "num_attention_heads",
 )
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,13 @@ class LlamaConfig:
     # GGUF only: llama.cpp stores llama3-style RoPE scaling as one divisor per frequency
     # (the ``rope_freqs`` tensor), [head_dim // 2] values; applied on top of rope_scaling.
     rope_freq_factors: tuple[float, ...] | None = None
+    model_type: str = "llama"  # one of FAMILIES
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # a bias on the output projection (Llama's attention_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head before RoPE (Qwen3)
+    rotary_dim: int | None = None  # the leading dims of a head that RoPE rotates (None: all of head_dim)
+    sliding_window: int | None = None  # a key is visible when query_pos - window < key_pos <= query_pos
+    sliding_window_layers: tuple[int, ...] | None = None  # the layers with the window (None: every layer)
 
     def __post_init__(self) -> None:
         for name in (
@@ -67,11 +96,48 @@ class LlamaConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         _check_rope_scaling(self.rope_scaling)
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {', '.join(FAMILIES)}, got {self.model_type!r}")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
             raise ValueError(
-                f"rope_freq_factors must have head_dim // 2 = {self.head_dim // 2} values, "
+                f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
+            )
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rope_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors must have rotary dims / 2 = {self.rope_dim // 2} values, "
                 f"got {len(self.rope_freq_factors)}"
             )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
+            )
+        if self.sliding_window_layers is not None and any(
+            not 0 <= i < self.num_hidden_layers for i in self.sliding_window_layers
+        ):
+            raise ValueError(
+                f"sliding_window_layers {self.sliding_window_layers} name layers that do not exist"
+            )
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is not None and layer not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -80,18 +146,30 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """Build from the parsed ``config.json`` of a Hugging Face checkpoint (transformers 4.x or 5.x)."""
-        _check_hf_architecture(d)
+        family = _hf_family(d)
         missing = [key for key in _REQUIRED_HF_KEYS if d.get(key) is None]
         if missing:
             raise ValueError(f"config.json is missing required key(s): {', '.join(missing)}")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise ValueError(f"unsupported config: {key}=true (tokenmill's Llama has no biases)")
+        if d.get("mlp_bias"):
+            raise ValueError("unsupported config: mlp_bias=true (tokenmill's MLP has no biases)")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         rope_theta, rope_scaling = _hf_rope(d)
+        params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        partial = float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(head_dim * partial)
+        attention_bias = bool(d.get("attention_bias", False))
+        if family == "qwen2":
+            qkv_bias, o_bias = True, False  # Qwen2's q/k/v always carry a bias, its o_proj never
+        elif family in ("llama", "qwen3"):
+            qkv_bias = o_bias = attention_bias
+        else:
+            if attention_bias:
+                raise ValueError(f"unsupported config: attention_bias=true for model_type {family!r}")
+            qkv_bias = o_bias = False
+        window, window_layers = _hf_sliding_window(d, family)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -107,6 +185,13 @@ class LlamaConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
+            model_type=family,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=family == "qwen3",
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+            sliding_window=window,
+            sliding_window_layers=window_layers,
         )
 
     @classmethod
@@ -117,36 +202,42 @@ class LlamaConfig:
         vocab_size: int,
         tie_word_embeddings: bool,
         rope_freq_factors: tuple[float, ...] | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
     ) -> LlamaConfig:
         """Build from GGUF key/value metadata (scalars only) plus facts read off the tensors.
 
         ``vocab_size`` is the row count of ``token_embd``; ``tie_word_embeddings`` is whether the file
-        lacks an ``output`` tensor; ``rope_freq_factors`` is the ``rope_freqs`` tensor when present.
+        lacks an ``output`` tensor; ``rope_freq_factors`` is the ``rope_freqs`` tensor when present;
+        ``qkv_bias`` / ``qk_norm`` whether the file has ``attn_q.bias`` / ``attn_q_norm`` tensors.
         """
         arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
+        if arch not in _GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}: supported are {', '.join(_GGUF_ARCHITECTURES)}"
+            )
 
         def need(key: str) -> Any:
-            if f"llama.{key}" not in meta:
-                raise ValueError(f"GGUF metadata is missing llama.{key}")
-            return meta[f"llama.{key}"]
+            if f"{arch}.{key}" not in meta:
+                raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+            return meta[f"{arch}.{key}"]
 
+        if meta.get(f"{arch}.expert_count"):
+            raise ValueError(
+                f"unsupported GGUF: MoE layers ({arch}.expert_count={meta[f'{arch}.expert_count']})"
+            )
         hidden_size = int(need("embedding_length"))
         num_heads = int(need("attention.head_count"))
-        num_kv_heads = int(meta.get("llama.attention.head_count_kv", num_heads))
-        head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
-        rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
-        if rope_dim != head_dim:
-            raise ValueError(
-                f"partial rotary embeddings are not supported (rope dims {rope_dim}, head_dim {head_dim})"
-            )
+        num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden_size // num_heads))
+        rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         eos_keys = (
             "tokenizer.ggml.eos_token_id",
             "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id",
         )
         eos = [meta.get(key) for key in eos_keys]
+        window = meta.get(f"{arch}.attention.sliding_window")
         return cls(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -156,36 +247,72 @@ class LlamaConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(meta),
-            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(meta, arch),
+            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
             rope_freq_factors=rope_freq_factors,
+            model_type=_GGUF_ARCHITECTURES[arch],
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            rotary_dim=None if rope_dim == head_dim else rope_dim,
+            sliding_window=int(window) if window else None,
         )
 
 
-def _check_hf_architecture(d: dict[str, Any]) -> None:
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+
+
+def _hf_family(d: dict[str, Any]) -> str:
+    """The family of a ``config.json``: its ``model_type`` (or its architecture's), MoE refused."""
     model_type = d.get("model_type")
     architectures = d.get("architectures") or []
-    if model_type == "llama" or (model_type is None and "LlamaForCausalLM" in architectures):
-        return
-    # A Mistral checkpoint without sliding-window attention is a Llama under another name.
-    if model_type == "mistral" and d.get("sliding_window") is None:
-        return
-    what = f"model_type {model_type!r}" + (f" (architectures {architectures})" if architectures else "")
-    if model_type == "mistral":
-        what += " with sliding_window attention"
-    raise ValueError(f"unsupported architecture: {what}; tokenmill runs Llama models (LlamaForCausalLM)")
+    if model_type is None:
+        model_type = next((_ARCHITECTURES[a] for a in architectures if a in _ARCHITECTURES), None)
+    moe = [key for key in _MOE_KEYS if d.get(key)]
+    if moe:
+        raise ValueError(f"unsupported config: MoE layers ({', '.join(f'{k}={d[k]}' for k in moe)})")
+    if model_type not in FAMILIES:
+        what = f"model_type {model_type!r}" + (f" (architectures {architectures})" if architectures else "")
+        raise ValueError(
+            f"unsupported architecture: {what}; tokenmill runs {', '.join(FAMILIES)} "
+            f"({', '.join(_ARCHITECTURES)})"
+        )
+    return str(model_type)
+
+
+def _hf_sliding_window(d: dict[str, Any], family: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers it applies to: None for every layer) as transformers reads each family's config."""
+    num_layers = int(d["num_hidden_layers"])
+    window = d.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None
+    if family == "llama" or not window:
+        return None, None
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown}: supported are {', '.join(_LAYER_TYPES)}")
+        layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    elif family in ("qwen2", "qwen3"):
+        first = int(d.get("max_window_layers", num_layers))
+        layers = tuple(range(first, num_layers))
+    else:
+        layers = tuple(range(num_layers))
+    return (int(window), layers) if layers else (None, None)
 
 
 def _hf_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalized rope_scaling) from transformers 5 ``rope_parameters`` or 4.x keys."""
+    """(rope_theta, normalized rope_scaling) from transformers 5 ``rope_parameters`` or 4.x keys; a
+    ``rope_scaling`` entry wins over ``rope_parameters``' type, as transformers reads it."""
     params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
     if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"]), _normalize_rope_scaling(params)
-    return float(d.get("rope_theta", 10000.0)), _normalize_rope_scaling(d.get("rope_scaling"))
+        return float(params["rope_theta"]), _normalize_rope_scaling(scaling or params)
+    return float(d.get("rope_theta", 10000.0)), _normalize_rope_scaling(scaling)
 
 
 def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -223,12 +350,12 @@ def _check_rope_scaling(scaling: dict[str, Any] | None) -> None:
             )
 
 
-def _gguf_rope_scaling(meta: dict[str, Any]) -> dict[str, Any] | None:
-    rope_type = meta.get("llama.rope.scaling.type")
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    rope_type = meta.get(f"{arch}.rope.scaling.type")
     if rope_type in (None, "none"):
         return None
     if rope_type == "linear":
-        return {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     raise ValueError(f"unsupported GGUF rope scaling type {rope_type!r}: supported are 'none' and 'linear'")
 
 

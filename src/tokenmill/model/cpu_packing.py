@@ -104,6 +104,9 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
     width = kernels[2]
     empty = torch.empty(0)
     tensors: list[torch.Tensor] = []
+    if model.config.o_bias:
+        logger.info("no C++ decode stack: o_proj has a bias (decode steps run layer by layer)")
+        return None
     for layer in model.model.layers:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if not all(_fp32_cpu(t) for t in norms):
@@ -119,6 +122,9 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
                 isinstance(proj, Linear)
                 and _is_panels(proj.packed_weight, width)
                 and proj.out_features % width == 0
+                and (
+                    proj.bias is None or proj is layer.self_attn.qkv_proj
+                )  # the stack adds qkv's bias itself
             ):
                 tensors += (proj.packed_weight, empty)
             elif isinstance(proj, Int8Linear) and _fp32_cpu(proj.scales) and proj.weight_int8.is_contiguous():
@@ -127,9 +133,17 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
                 tensors += (proj.data, proj.meta)
             else:
                 return None
+        attn = layer.self_attn
+        qkv_bias = getattr(attn.qkv_proj, "bias", None)
+        if model.config.qkv_bias and (qkv_bias is None or not _fp32_cpu(qkv_bias)):
+            logger.info("no C++ decode stack: the q/k/v bias is not an fp32 CPU tensor")
+            return None
+        q_norm = attn.q_norm.weight if attn.q_norm is not None else empty
+        k_norm = attn.k_norm.weight if attn.k_norm is not None else empty
+        tensors += (qkv_bias if qkv_bias is not None else empty, q_norm, k_norm)
     config = model.config
     final_norm = model.model.norm.weight
-    if not _fp32_cpu(final_norm) or config.head_dim % 2:
+    if not _fp32_cpu(final_norm) or config.rope_dim % 2:
         return None
     return stack_class(
         tensors,

@@ -1,4 +1,5 @@
-"""Llama weights from a GGUF file: dequantized, renamed to Hugging Face names, cached as safetensors.
+"""Weights from a GGUF file (``llama``, ``qwen2``, ``qwen3``, ``phi3``), renamed to Hugging Face names: kept as
+their quantized blocks (the default on CPU, :func:`read_quantized_gguf`) or dequantized and cached as safetensors.
 
 Reading a GGUF file means parsing its metadata (about two seconds for SmolLM2's 49k-token vocabulary)
 and dequantizing every tensor. :class:`GGUFFile` does that once and caches the result in
@@ -7,8 +8,8 @@ as float32, already fused the way :class:`~tokenmill.model.llama.LlamaForCausalL
 metadata (config and tokenizer fields) in the safetensors header. A later load memory-maps the cache
 and never opens the GGUF reader.
 
-llama.cpp's converter reorders the rows of every Q and K projection: Hugging Face rotates pairs
-(i, i + D/2) of each head, GGUF rotates neighbours (2i, 2i + 1), so the converter moves HF row
+For llama-architecture files llama.cpp's converter reorders the rows of every Q and K projection: Hugging Face
+rotates pairs (i, i + D/2) of each head, GGUF rotates neighbours (2i, 2i + 1), so the converter moves HF row
 ``half * D/2 + i`` of a head to row ``2i + half``. :func:`unpermute_rope_rows` moves them back.
 """
 
@@ -53,8 +54,13 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_NAMES_BY_ARCH = {  # where an architecture stores a tensor under another name (Phi-3: fused q/k/v, gate/up)
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -70,14 +76,15 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a Llama model")
+    names = {**_LAYER_NAMES, **_LAYER_NAMES_BY_ARCH.get(arch, {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a {arch} model")
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -130,15 +137,26 @@ def _read_config(path: Path, reader: Any) -> tuple[LlamaConfig, dict[str, Any]]:
         vocab_size=int(by_name["token_embd.weight"].shape[-1]),
         tie_word_embeddings="output.weight" not in by_name,
         rope_freq_factors=rope_freqs,
+        qkv_bias="blk.0.attn_q.bias" in by_name or "blk.0.attn_qkv.bias" in by_name,
+        qk_norm="blk.0.attn_q_norm.weight" in by_name,
     )
     return config, by_name
 
 
+def _arch(reader: Any) -> str:
+    field = reader.fields.get("general.architecture")
+    return str(field.contents()) if field is not None else "llama"
+
+
 def _rope_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
-    """For a Q or K projection, the permutation of its rows that undoes llama.cpp's interleave; else None."""
-    if name.endswith("q_proj.weight"):
+    """For a Q or K projection (weight or bias) of a llama-architecture file, the permutation of its rows that
+    undoes llama.cpp's interleave; else None. llama.cpp's converter permutes only the checkpoints it writes as
+    ``llama`` (Llama, Mistral): Qwen2, Qwen3 and Phi-3 keep Hugging Face's row order (its NEOX rope type)."""
+    if config.model_type != "llama":
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
         heads = config.num_attention_heads
-    elif name.endswith("k_proj.weight"):
+    elif name.endswith(("k_proj.weight", "k_proj.bias")):
         heads = config.num_key_value_heads
     else:
         return None
@@ -157,8 +175,9 @@ def convert_gguf(
     config, _ = _read_config(path, reader)
     state_dict: dict[str, torch.Tensor] = {}
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
+    arch = _arch(reader)
     for tensor in tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress):
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         weight = torch.from_numpy(dequantize_tensor(tensor))
         order = _rope_row_order(name, config)
         state_dict[name] = (weight if order is None else weight[order]).contiguous()
@@ -171,12 +190,13 @@ def read_quantized_gguf(
     """Config, the fp32 tensors (norms, and weights of types without a kernel) and the quantized ones as
     :class:`~tokenmill.model.gguf_blocks.Groups`, all under Hugging Face names, Q/K rows un-permuted."""
     config, _ = _read_config(path, reader)
+    arch = _arch(reader)
     dense: dict[str, torch.Tensor] = {}
     quantized: dict[str, Groups] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         order = _rope_row_order(name, config)
         type_name = tensor.tensor_type.name
         if type_name in QUANTIZED_TYPES and len(tensor.shape) == 2:
@@ -321,6 +341,7 @@ def _config_to_json(config: LlamaConfig) -> str:
 def _config_from_json(text: str) -> LlamaConfig:
     fields = json.loads(text)
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-    if fields.get("rope_freq_factors") is not None:
-        fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+    for key in ("rope_freq_factors", "sliding_window_layers"):
+        if fields.get(key) is not None:
+            fields[key] = tuple(fields[key])
     return LlamaConfig(**fields)

@@ -1,9 +1,10 @@
-"""The Llama decoder over a flat batch of tokens and a paged KV cache.
+"""The decoder over a flat batch of tokens and a paged KV cache: Llama, and the families that differ from it only
+in configuration (Mistral, Qwen2, Qwen3, Phi-3: ``config.py`` lists what differs).
 
 One forward takes every new token of the step as one row (``input_ids``/``positions`` ``[num_tokens]``);
 :class:`~tokenmill.model.attention.AttentionMetadata` says which rows form which sequence. Q, K and V come
 from one fused matmul, gate and up from another. Weights arrive with Hugging Face names through
-:meth:`LlamaForCausalLM.load_hf_state_dict`, which does the fusing.
+:meth:`LlamaForCausalLM.load_hf_state_dict`, which does the fusing (Phi-3 checkpoints come fused already).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_fre
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without bias and without random init: a loader fills the weight.
+    """``nn.Linear`` without random init (bias off unless asked): a loader fills the weight.
 
     On CPU in fp32 :func:`tokenmill.model.cpu_packing.pack_for_cpu` adds ``packed_weight``, the same weight
     reordered once (column panels for the C++ ``panel_linear``, else oneDNN's blocked layout), and
@@ -38,16 +39,17 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     packed_matmul: PackedMatmul | None = None
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_matmul is not None and self.packed_weight is not None and x.dim() == 2:
-            return self.packed_matmul(x, self.packed_weight, self.out_features)
-        return F.linear(x, self.weight)
+            out = self.packed_matmul(x, self.packed_weight, self.out_features)
+            return out if self.bias is None else out.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -73,8 +75,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 angular frequencies, with llama3 / linear scaling applied."""
-    dim = config.head_dim
+    """``[rope_dim // 2]`` float32 angular frequencies, with llama3 / linear scaling applied."""
+    dim = config.rope_dim
     # explicit CPU device: stays real even under a `with torch.device("meta")` block
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
@@ -100,24 +102,32 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by per-token angles; ``cos``/``sin`` are ``[T, 1, D // 2]``.
+    """Rotate ``x [T, H, D]`` by per-token angles; ``cos``/``sin`` are ``[T, 1, R // 2]`` for the first R dims.
 
-    Pairs are (i, i + D/2), the Hugging Face layout (GGUF's interleaved pairs are undone at load time).
+    Pairs are (i, i + R/2), the Hugging Face layout (GGUF's interleaved pairs are undone at load time); dims past
+    R (partial rotary) pass through.
     """
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotary = 2 * cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    x1, x2 = x_rot.chunk(2, dim=-1)  # [T, H, R/2] each
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated if x_pass.shape[-1] == 0 else torch.cat((rotated, x_pass), dim=-1)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        self.window = config.layer_window(layer)
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_size)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+        # Qwen3: RMSNorm over each head's q and k before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -132,8 +142,23 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
         ops = fused_ops_for(qkv)
+        if self.q_norm is not None and self.k_norm is not None:
+            if ops is not None:
+                ops.qk_norm_(
+                    qkv,
+                    self.q_norm.weight,
+                    self.k_norm.weight,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.q_norm.eps,
+                )
+            else:
+                q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, q_size)  # per head
+                k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, kv_size)
+                qkv = torch.cat([q, k, v], dim=-1)
         if ops is not None and k_cache.dtype == torch.float32:  # one pass: rotate q/k, store k/v
-            cos2d, sin2d = cos.view(num_tokens, -1), sin.view(num_tokens, -1)  # [T, D/2]
+            cos2d, sin2d = cos.view(num_tokens, -1), sin.view(num_tokens, -1)  # [T, R/2]
             q = ops.rope_write_kv(
                 qkv, cos2d, sin2d, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads
             )  # [T, Hq, D]
@@ -143,7 +168,7 @@ class LlamaAttention(nn.Module):
             k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
 
 
@@ -163,10 +188,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -194,7 +219,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -210,8 +235,10 @@ class LlamaForCausalLM(nn.Module):
         # the tied head's weight reordered once, and the matmul that takes it (cpu_packing)
         self.packed_head: torch.Tensor | None = None
         self.packed_head_matmul: PackedMatmul | None = None
-        # C++ DecodeStack (cpu_packing): every decode-only step when set
+        # C++ DecodeStack (cpu_packing): every decode-only step when set (within the sliding window, if any)
         self.decode_stack: Any = None
+        windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        self._window = min((w for w in windows if w is not None), default=None)
 
     def forward(
         self,
@@ -232,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
             self.decode_stack is not None
             and rows is not None
             and rows.seq_lens.shape[0] == x.shape[0]  # every row decodes one token
+            and (self._window is None or max(meta.seq_lens) <= self._window)  # the stack attends to all keys
         ):
             return self.decode_stack.forward(  # type: ignore[no-any-return]
                 x,
@@ -275,7 +303,8 @@ class LlamaForCausalLM(nn.Module):
         On a ``meta`` model a tensor already of the right dtype becomes the parameter itself (no copy).
         """
         params = dict(self.named_parameters())
-        missing = [name for name in params if name not in state_dict]
+        # a parameter already real (a quantized module's bias, set when it was built) needs no tensor here
+        missing = [name for name, p in params.items() if name not in state_dict and p.is_meta]
         unexpected = [name for name in state_dict if name not in params]
         if missing or unexpected:
             raise ValueError(
@@ -298,22 +327,40 @@ class LlamaForCausalLM(nn.Module):
                 old.copy_(tensor)
 
 
-def hf_tensor_names(config: LlamaConfig) -> list[str]:
-    """The Hugging Face tensor names a checkpoint of ``config`` has."""
+def hf_tensor_names(config: LlamaConfig, fused: bool | None = None) -> list[str]:
+    """The Hugging Face tensor names a checkpoint of ``config`` has; ``fused`` (default: Phi-3's way) with q/k/v
+    and gate/up each one tensor."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
+    fused = config.model_type == "phi3" if fused is None else fused
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
-        names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        attn = ("qkv", "o") if fused else ("q", "k", "v", "o")
+        names += [f"{p}.self_attn.{x}_proj.weight" for x in attn]
+        if config.qkv_bias:
+            names += [f"{p}.self_attn.{x}_proj.bias" for x in (("qkv",) if fused else ("q", "k", "v"))]
+        if config.o_bias:
+            names.append(f"{p}.self_attn.o_proj.bias")
+        if config.qk_norm:
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        names += [
+            f"{p}.mlp.{x}_proj.weight" for x in (("gate_up", "down") if fused else ("gate", "up", "down"))
+        ]
     return names
 
 
-def fuse_hf_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> this module's names; ValueError listing missing or unexpected tensors."""
-    expected = hf_tensor_names(config)
+def fuse_hf_state_dict(
+    config: LlamaConfig, state_dict: dict[str, torch.Tensor], absent: set[str] | frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names; ValueError listing missing or unexpected tensors.
+
+    ``absent``: names another module took (a quantized projection's weights and bias): neither expected nor
+    fused here; a fused tensor none of whose parts remain is left out.
+    """
+    fused_qkv = any(n.endswith("qkv_proj.weight") for n in state_dict) or config.model_type == "phi3"
+    expected = [n for n in hf_tensor_names(config, fused=fused_qkv) if n not in absent]
     allowed = set(expected)
     if config.tie_word_embeddings:
         allowed.add("lm_head.weight")  # some tied checkpoints store the copy anyway; it is not used
@@ -331,24 +378,26 @@ def fuse_hf_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor])
                 f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:8])}"
                 + (" ..." if len(unexpected) > 8 else "")
             )
-        raise ValueError("checkpoint does not match the Llama config: " + "; ".join(parts))
+        raise ValueError(f"checkpoint does not match the {config.model_type} config: " + "; ".join(parts))
     fused: dict[str, torch.Tensor] = {}
     for name in expected:
-        if re.search(r"\.(k|v|up)_proj\.weight$", name):
+        if re.search(r"\.(k|v|up)_proj\.(weight|bias)$", name):
             continue  # folded into q / gate below
-        if name.endswith(".q_proj.weight"):
-            prefix = name.removesuffix(".q_proj.weight")
-            parts = [state_dict[f"{prefix}.{x}_proj.weight"] for x in ("q", "k", "v")]
-            _check_fused_dims(prefix, parts[0].shape[0], parts[1].shape[0], config)
-            fused[f"{prefix}.qkv_proj.weight"] = torch.cat(parts, dim=0)  # [(Hq + 2 Hkv) * D, hidden]
-        elif name.endswith(".gate_proj.weight"):
-            prefix = name.removesuffix(".gate_proj.weight")
-            gate, up = state_dict[f"{prefix}.gate_proj.weight"], state_dict[f"{prefix}.up_proj.weight"]
-            fused[f"{prefix}.gate_up_proj.weight"] = torch.cat(
-                [gate, up], dim=0
-            )  # [2 * intermediate, hidden]
-        else:
+        match = re.search(r"\.(q|gate)_proj\.(weight|bias)$", name)
+        if match is None:
             fused[name] = state_dict[name]
+            continue
+        kind, what = match.groups()
+        prefix = name[: match.start()]
+        if kind == "q":
+            if f"{prefix}.k_proj.{what}" not in state_dict:  # taken by a quantized module with its q
+                continue
+            parts = [state_dict[f"{prefix}.{x}_proj.{what}"] for x in ("q", "k", "v")]
+            _check_fused_dims(prefix, parts[0].shape[0], parts[1].shape[0], config)
+            fused[f"{prefix}.qkv_proj.{what}"] = torch.cat(parts, dim=0)  # [(Hq + 2 Hkv) * D, ...]
+        else:
+            parts = [state_dict[f"{prefix}.{x}_proj.{what}"] for x in ("gate", "up")]
+            fused[f"{prefix}.gate_up_proj.{what}"] = torch.cat(parts, dim=0)  # [2 * intermediate, hidden]
     return fused
 
 

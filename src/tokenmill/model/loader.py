@@ -145,6 +145,8 @@ def load_model(
         pack_for_cpu(llama)
     from tokenmill.model.quant import weight_bytes
 
+    if resolved_device.type == "cpu":
+        _log_slow_paths(config, llama)
     return LoadedModel(
         config=config,
         model=llama,
@@ -155,6 +157,31 @@ def load_model(
         quantization=quantization or ("fp32" if is_gguf else None),
         weight_bytes=weight_bytes(llama),
     )
+
+
+def _log_slow_paths(config: LlamaConfig, model: LlamaForCausalLM) -> None:
+    """Say once, at load, which of this model's shapes leave a fast CPU path, and what runs instead."""
+    import logging
+
+    from tokenmill.model.cpu_kernels import loaded, paged_prefill_kernel
+
+    log = logging.getLogger(__name__)
+    state = loaded()
+    if state.module is None:
+        return
+    if paged_prefill_kernel(config.head_dim) is None:
+        log.info(
+            "head_dim %d: no tiled prefill attention on the %s kernels (needs a multiple of %d); prefills run "
+            "one query per row up to 512 tokens, chunked matmuls beyond",
+            config.head_dim, state.variant, state.module.panel_width(),
+        )  # fmt: skip
+    if model.decode_stack is None and state.variant != "base":
+        log.info("no C++ decode stack for this model: decode steps run layer by layer")
+    if config.has_sliding_window:
+        log.info(
+            "sliding window of %d tokens: a step with a sequence past it attends through the windowed torch path",
+            config.sliding_window,
+        )
 
 
 def _keeps_gguf_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) -> bool:

@@ -30,7 +30,7 @@ from torch import nn
 
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.gguf_blocks import Groups, QuantizedWeight
-from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.llama import LlamaForCausalLM, fuse_hf_state_dict
 
 # fn(x [M, K] float32, weight [N, K] int8, scale [N] float32) -> [M, N] (cpu_kernels.small_linear_kernel)
 SmallLinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,7 +70,9 @@ class Int8Linear(nn.Module):
     # Set by cpu_packing.attach_cpu_kernels: every fp32 batch then goes to the C++ kernel.
     small_kernel: SmallLinearKernel | None = None
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(
+        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
             raise ValueError(
@@ -83,18 +85,26 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", weight_int8.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("scales_bf16", scales.to(_KERNEL_DTYPE).contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Linear:
-        """Quantize ``weight [out, in]``; scales in ``dtype`` (default: the weight's dtype), on the bf16 grid."""
+    def from_weight(
+        cls, weight: torch.Tensor, dtype: torch.dtype | None = None, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        """Quantize ``weight [out, in]``; scales in ``dtype`` (default: the weight's dtype), on the bf16 grid;
+        ``bias`` (kept in its dtype) is added after the matmul."""
         q, scales = quantize_per_channel(weight, _KERNEL_DTYPE)
-        return cls(q, scales.to(dtype or weight.dtype))
+        return cls(q, scales.to(dtype or weight.dtype), bias)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the layer computes with, ``[out, in]`` in the scales' dtype."""
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_kernel is not None and x.dim() == 2 and x.dtype == self.scales.dtype == torch.float32:
             return self.small_kernel(x, self.weight_int8, self.scales)
         if x.device.type == "cpu":
@@ -125,7 +135,7 @@ def quantize_model_int8(model: LlamaForCausalLM) -> LlamaForCausalLM:
             old = getattr(parent, attr)
             if isinstance(old, Int8Linear):
                 continue
-            setattr(parent, attr, Int8Linear.from_weight(old.weight))
+            setattr(parent, attr, Int8Linear.from_weight(old.weight, bias=old.bias))
     if not isinstance(model.lm_head, Int8Linear):
         # Tied embeddings: the head gets its own int8 copy and the embedding table stays in the compute
         # dtype for lookups (a lookup reads a few rows; only the head streams the whole table every step).
@@ -155,12 +165,15 @@ class QuantizedLinear(nn.Module):
     meta: torch.Tensor
     kernel: QuantMatmul | None = None
 
-    def __init__(self, weight: QuantizedWeight, kernel: QuantMatmul | None = None) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, kernel: QuantMatmul | None = None, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.register_buffer("data", weight.data)
         self.register_buffer("meta", weight.meta)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.kernel = kernel
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @property
     def weight(self) -> QuantizedWeight:
@@ -168,8 +181,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-            return self.kernel(x, self.data, self.meta)
-        return F.linear(x, self.weight.dequantize().to(x.dtype))
+            out = self.kernel(x, self.data, self.meta)
+            return out if self.bias is None else out.add_(self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.dequantize().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (
@@ -206,7 +221,8 @@ def build_quantized_llama(
     kernels: tuple[QuantMatmul, QuantRows] | None,
 ) -> LlamaForCausalLM:
     """A model whose projections, embedding and head are :class:`QuantizedLinear` / :class:`QuantizedEmbedding`
-    where ``quantized`` (Hugging Face names) has them, fp32 from ``dense`` elsewhere.
+    where ``quantized`` (Hugging Face names) has them, fp32 from ``dense`` elsewhere (norms, biases, and weights
+    of types without a kernel).
 
     A fused projection takes its parts' formats side by side (q, k, v may differ, as in Q4_K_M files); if one
     part is dense, the whole projection is (its quantized parts dequantized: exact, only larger). A tied head
@@ -217,54 +233,54 @@ def build_quantized_llama(
         model = LlamaForCausalLM(config)
     quantized = dict(quantized)
     dense = dict(dense)
+    consumed: set[str] = set()  # HF names the quantized modules took
 
-    def fused(names: list[str]) -> QuantizedLinear | None:
+    def take(parent: nn.Module, attr: str, names: list[str]) -> None:
         if all(n in quantized for n in names):
-            return QuantizedLinear(
-                QuantizedWeight.from_groups([quantized.pop(n) for n in names], tile_rows), matmul
-            )
+            biases = [n.removesuffix(".weight") + ".bias" for n in names]
+            bias = torch.cat([dense.pop(b) for b in biases]) if all(b in dense for b in biases) else None
+            weight = QuantizedWeight.from_groups([quantized.pop(n) for n in names], tile_rows)
+            setattr(parent, attr, QuantizedLinear(weight, matmul, bias))
+            consumed.update(names)
+            consumed.update(biases if bias is not None else ())
+            return
         for n in names:  # mixed: every part dense
             if n in quantized:
                 dense[n] = QuantizedWeight.from_groups([quantized.pop(n)], tile_rows).dequantize()
-        return None
 
-    fused_dense: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
-        groups = (
-            (layer.self_attn, "qkv_proj", [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v")]),
-            (layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj.weight"]),
-            (layer.mlp, "gate_up_proj", [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")]),
-            (layer.mlp, "down_proj", [f"{p}.mlp.down_proj.weight"]),
+        fused_qkv, fused_gate_up = f"{p}.self_attn.qkv_proj.weight", f"{p}.mlp.gate_up_proj.weight"
+        qkv = (
+            [fused_qkv]
+            if fused_qkv in quantized or fused_qkv in dense
+            else [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v")]
         )
-        for parent, attr, names in groups:
-            module = fused(names)
-            if module is not None:
-                setattr(parent, attr, module)
-            else:
-                owner = "mlp" if parent is layer.mlp else "self_attn"
-                fused_dense[f"{p}.{owner}.{attr}.weight"] = torch.cat([dense.pop(n) for n in names])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            fused_dense[f"{p}.{norm}.weight"] = dense.pop(f"{p}.{norm}.weight")
-    fused_dense["model.norm.weight"] = dense.pop("model.norm.weight")
+        gate_up = (
+            [fused_gate_up]
+            if fused_gate_up in quantized or fused_gate_up in dense
+            else [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")]
+        )
+        take(layer.self_attn, "qkv_proj", qkv)
+        take(layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj.weight"])
+        take(layer.mlp, "gate_up_proj", gate_up)
+        take(layer.mlp, "down_proj", [f"{p}.mlp.down_proj.weight"])
     embed = quantized.pop("model.embed_tokens.weight", None)
     if embed is not None:
         table = QuantizedWeight.from_groups([embed], tile_rows)
         model.model.embed_tokens = QuantizedEmbedding(table, rows)  # type: ignore[assignment]
+        consumed.add("model.embed_tokens.weight")
         if config.tie_word_embeddings:
             model.lm_head = QuantizedLinear(table, matmul)  # type: ignore[assignment]
-    else:
-        fused_dense["model.embed_tokens.weight"] = dense.pop("model.embed_tokens.weight")
-    head = quantized.pop("lm_head.weight", None)
-    if not config.tie_word_embeddings:
-        if head is not None:
-            model.lm_head = QuantizedLinear(QuantizedWeight.from_groups([head], tile_rows), matmul)  # type: ignore[assignment]
-        else:
-            fused_dense["lm_head.weight"] = dense.pop("lm_head.weight")
-    dense.pop("lm_head.weight", None)  # a tied checkpoint's unused copy
-    if quantized or dense:
-        raise ValueError(f"unexpected tensors in the checkpoint: {sorted([*quantized, *dense])[:8]}")
-    model.load_fused_state_dict({k: v.float() for k, v in fused_dense.items()})
+    if not config.tie_word_embeddings and "lm_head.weight" in quantized:
+        head = QuantizedWeight.from_groups([quantized.pop("lm_head.weight")], tile_rows)
+        model.lm_head = QuantizedLinear(head, matmul)  # type: ignore[assignment]
+        consumed.add("lm_head.weight")
+    quantized.pop("lm_head.weight", None)  # a tied checkpoint's unused copy
+    if quantized:
+        raise ValueError(f"unexpected tensors in the checkpoint: {sorted(quantized)[:8]}")
+    fused = fuse_hf_state_dict(config, dense, absent=consumed)
+    model.load_fused_state_dict({k: v.float() for k, v in fused.items()})
     return model.eval()
 
 

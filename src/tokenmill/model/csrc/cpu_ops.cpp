@@ -32,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of residual");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up [T, I]");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, K/V into the paged cache; returns q");
+  m.def("qk_norm_", &qk_norm_, "RMSNorm of every q and k head of a fused qkv, in place (Qwen3)");
   m.def("isa", [] { return std::string(simd::kIsa); }, "the instruction-set variant compiled: avx512, avx2, base");
   m.def("source_digest", [] { return std::string(TOKENMILL_SOURCE_DIGEST); }, "sha256 prefix of csrc/ at build");
   // module_local: each variant module registers its own DecodeStack type

@@ -43,14 +43,17 @@ struct LinearWeight {
 struct DecoderLayerWeights {
   torch::Tensor input_norm, post_norm;  // [H] fp32
   LinearWeight qkv, o, gate_up, down;
+  torch::Tensor qkv_bias, q_norm, k_norm;  // [(Hq + 2 Hkv) D], [D], [D] fp32; undefined when the family has none
 };
 
 }  // namespace
 
 class DecodeStack {
  public:
-  // Per layer, in order: input_norm, post_norm, then (weight, scale) for qkv, o, gate_up, down; a scale is an
-  // empty tensor for an fp32 weight, the int64 meta for a quantized one. final_norm [H]; inv_freq [D/2] fp32.
+  static constexpr size_t kTensorsPerLayer = 13;
+  // Per layer, in order: input_norm, post_norm, then (weight, scale) for qkv, o, gate_up, down (a scale is an
+  // empty tensor for an fp32 weight, the int64 meta for a quantized one), then qkv_bias, q_norm, k_norm (empty
+  // tensors where the family has none). final_norm [H]; inv_freq [R/2] fp32 for R rotated dims of a head.
   DecodeStack(std::vector<torch::Tensor> tensors, torch::Tensor final_norm, torch::Tensor inv_freq,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
       : final_norm_(final_norm.contiguous()),
@@ -59,8 +62,10 @@ class DecodeStack {
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(tensors.size() % 10 == 0, "10 tensors per layer");
-    TORCH_CHECK(inv_freq_.scalar_type() == torch::kFloat32 && inv_freq_.numel() == head_dim / 2, "inv_freq");
+    TORCH_CHECK(tensors.size() % kTensorsPerLayer == 0, kTensorsPerLayer, " tensors per layer");
+    TORCH_CHECK(inv_freq_.scalar_type() == torch::kFloat32 && 0 < inv_freq_.numel() &&
+                    2 * inv_freq_.numel() <= head_dim,
+                "inv_freq: float32 [R/2], R <= head_dim");
     hidden_ = final_norm_.numel();
     auto lin = [](torch::Tensor w, torch::Tensor s) {
       LinearWeight l{w.contiguous(), s.numel() > 0 ? s.contiguous() : torch::Tensor()};
@@ -77,11 +82,23 @@ class DecodeStack {
                   "quantized bytes with their int64 meta");
       return l;
     };
-    for (size_t i = 0; i < tensors.size(); i += 10) {
-      DecoderLayerWeights L{tensors[i].contiguous(), tensors[i + 1].contiguous(), lin(tensors[i + 2], tensors[i + 3]),
-                            lin(tensors[i + 4], tensors[i + 5]), lin(tensors[i + 6], tensors[i + 7]),
-                            lin(tensors[i + 8], tensors[i + 9])};
+    auto optional = [](const torch::Tensor& t, int64_t n, const char* name) {
+      if (t.numel() == 0) return torch::Tensor();
+      TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.numel() == n, name, ": float32 [", n, "]");
+      return t.contiguous();
+    };
+    for (size_t i = 0; i < tensors.size(); i += kTensorsPerLayer) {
       const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+      DecoderLayerWeights L{tensors[i].contiguous(),
+                            tensors[i + 1].contiguous(),
+                            lin(tensors[i + 2], tensors[i + 3]),
+                            lin(tensors[i + 4], tensors[i + 5]),
+                            lin(tensors[i + 6], tensors[i + 7]),
+                            lin(tensors[i + 8], tensors[i + 9]),
+                            optional(tensors[i + 10], q_size + 2 * kv_size, "qkv_bias"),
+                            optional(tensors[i + 11], head_dim, "q_norm"),
+                            optional(tensors[i + 12], head_dim, "k_norm")};
+      TORCH_CHECK(L.q_norm.defined() == L.k_norm.defined(), "q_norm and k_norm come together");
       TORCH_CHECK(L.qkv.out_features() == q_size + 2 * kv_size && L.qkv.in_features() == hidden_, "qkv shape");
       TORCH_CHECK(L.o.out_features() == hidden_ && L.o.in_features() == q_size, "o_proj shape");
       TORCH_CHECK(L.gate_up.in_features() == hidden_ && L.gate_up.out_features() % 2 == 0, "gate_up shape");
@@ -126,8 +143,8 @@ class DecodeStack {
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(lens[m] > 0 && lens[m] <= max_blocks * block_size, "seq_len out of range");
 
-    // cos/sin [M, D/2], in float32 as LlamaForCausalLM._rope_cos_sin computes them
-    const int64_t half = D / 2;
+    // cos/sin [M, R/2], in float32 as LlamaForCausalLM._rope_cos_sin computes them
+    const int64_t half = inv_freq_.numel(), R = 2 * half;
     std::vector<float> cos_v(M * half), sin_v(M * half);
     const float* inv_freq = inv_freq_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -162,8 +179,16 @@ class DecodeStack {
       L.qkv.apply(normed.data(), M, qkv.data());  // [M, q | k | v]
       for (int64_t m = 0; m < M; ++m) {
         float* row = qkv.data() + m * qkv_size;
+        if (L.qkv_bias.defined()) {
+          const float* b = L.qkv_bias.data_ptr<float>();
+          for (int64_t i = 0; i < qkv_size; ++i) row[i] += b[i];
+        }
+        if (L.q_norm.defined()) {
+          rms_norm_heads_(row, Hq, D, L.q_norm.data_ptr<float>(), eps_);
+          rms_norm_heads_(row + q_size, Hkv, D, L.k_norm.data_ptr<float>(), eps_);
+        }
         // q and k heads are adjacent: rotate them in place
-        rope_heads(row, row, Hq + Hkv, D, cos_v.data() + m * half, sin_v.data() + m * half);
+        rope_heads(row, row, Hq + Hkv, D, R, cos_v.data() + m * half, sin_v.data() + m * half);
         TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "slot out of range");
         std::copy(row + q_size, row + q_size + kv_size, kp + slots[m] * kv_size);
         std::copy(row + q_size + kv_size, row + qkv_size, vp + slots[m] * kv_size);

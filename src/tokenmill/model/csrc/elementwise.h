@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "simd.h"
@@ -25,9 +26,11 @@ inline void rms_norm_row(const float* x, const float* w, int64_t H, float eps, f
   for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
 }
 
-// Rotate pairs (i, i + D/2) of `heads` heads: in [heads, D] -> out [heads, D] (may be the same memory).
-inline void rope_heads(const float* in, float* out, int64_t heads, int64_t D, const float* cos, const float* sin) {
-  const int64_t half = D / 2;
+// Rotate pairs (i, i + R/2) of the first R dims of `heads` heads (cos/sin: R/2 angles), the other D - R dims
+// passing through: in [heads, D] -> out [heads, D] (may be the same memory). R = D but for partial rotary (Phi).
+inline void rope_heads(const float* in, float* out, int64_t heads, int64_t D, int64_t R, const float* cos,
+                       const float* sin) {
+  const int64_t half = R / 2;
   for (int64_t h = 0; h < heads; ++h) {
     const float* x = in + h * D;
     float* o = out + h * D;
@@ -37,7 +40,13 @@ inline void rope_heads(const float* in, float* out, int64_t heads, int64_t D, co
       o[i] = a * cos[i] - b * sin[i];
       o[i + half] = b * cos[i] + a * sin[i];
     }
+    if (o != x) std::copy(x + R, x + D, o + R);
   }
+}
+
+// RMSNorm over each of `heads` heads of D values, in place (Qwen3's q/k norm): x [heads, D].
+inline void rms_norm_heads_(float* x, int64_t heads, int64_t D, const float* w, float eps) {
+  for (int64_t h = 0; h < heads; ++h) rms_norm_row(x + h * D, w, D, eps, x + h * D);
 }
 
 inline void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
@@ -108,8 +117,31 @@ inline torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
-// qkv [T, (Hq + 2 Hkv) D] (q | k | v per row), cos/sin [T, D/2]: rotates q and k (pairs i, i + D/2), writes k and v
-// to the caches [num_blocks, block_size, Hkv, D] at slot_mapping [T], returns the rotated q [T, Hq, D].
+// qkv [T, (Hq + 2 Hkv) D] (q | k | v per row) -> RMSNorm of every q head (weight q_norm [D]) and k head (k_norm),
+// in place: Qwen3's norm before RoPE.
+inline void qk_norm_(torch::Tensor qkv, torch::Tensor q_norm, torch::Tensor k_norm, int64_t num_heads,
+                     int64_t num_kv_heads, double eps) {
+  check_fp32_rows(qkv, "qkv");
+  const int64_t D = q_norm.numel(), T = qkv.size(0);
+  TORCH_CHECK(q_norm.is_contiguous() && k_norm.is_contiguous() && k_norm.numel() == D &&
+                  q_norm.scalar_type() == torch::kFloat32 && k_norm.scalar_type() == torch::kFloat32,
+              "q_norm / k_norm: float32 [head_dim]");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv width does not match the heads");
+  float* p = qkv.data_ptr<float>();
+  const float* qw = q_norm.data_ptr<float>();
+  const float* kw = k_norm.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* row = p + t * qkv.size(1);
+      rms_norm_heads_(row, num_heads, D, qw, static_cast<float>(eps));
+      rms_norm_heads_(row + num_heads * D, num_kv_heads, D, kw, static_cast<float>(eps));
+    }
+  });
+}
+
+// qkv [T, (Hq + 2 Hkv) D] (q | k | v per row), cos/sin [T, R/2]: rotates q and k (pairs i, i + R/2 of the first R
+// dims), writes k and v to the caches [num_blocks, block_size, Hkv, D] at slot_mapping [T], returns the rotated q
+// [T, Hq, D].
 inline torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                                    torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                                    int64_t num_kv_heads) {
@@ -119,9 +151,11 @@ inline torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous float32 [num_blocks, block_size, Hkv, D]");
-  const int64_t T = qkv.size(0), D = k_cache.size(3), half = D / 2, Hq = num_heads, Hkv = num_kv_heads;
+  const int64_t T = qkv.size(0), D = k_cache.size(3), half = cos.size(1), R = 2 * half, Hq = num_heads,
+                Hkv = num_kv_heads;
   TORCH_CHECK(k_cache.size(2) == Hkv && qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
-  TORCH_CHECK(cos.size(0) == T && cos.size(1) == half && sin.sizes() == cos.sizes(), "cos/sin must be [T, D/2]");
+  TORCH_CHECK(cos.size(0) == T && 0 < R && R <= D && sin.sizes() == cos.sizes(),
+              "cos/sin must be [T, R/2] for R <= D rotated dims");
   TORCH_CHECK(slot_mapping.numel() == T && slot_mapping.scalar_type() == torch::kInt64, "slot_mapping: int64 [T]");
   auto slots_t = slot_mapping.contiguous();
   const int64_t* slots = slots_t.data_ptr<int64_t>();
@@ -137,8 +171,8 @@ inline torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* row = src + t * (q_size + 2 * kv_size);
-      rope_heads(row, qp + t * q_size, Hq, D, cp + t * half, sp + t * half);
-      rope_heads(row + q_size, kp + slots[t] * kv_size, Hkv, D, cp + t * half, sp + t * half);
+      rope_heads(row, qp + t * q_size, Hq, D, R, cp + t * half, sp + t * half);
+      rope_heads(row + q_size, kp + slots[t] * kv_size, Hkv, D, R, cp + t * half, sp + t * half);
       std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size, vp + slots[t] * kv_size);
     }
   });
