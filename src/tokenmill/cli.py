@@ -5,31 +5,57 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
+    g = parser.add_argument_group(
+        "sampling (unset: the model's generation defaults, see --generation-config)"
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=None, help="default: the model's max_new_tokens, else 256"
+    )
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+
+
+def sampling_params_from_args(engine: Any, args: argparse.Namespace) -> Any:
+    """The model's generation defaults with every flag the user gave on top."""
+    params = engine.default_sampling_params(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos or None,
+    )
+    if args.max_tokens is not None:
+        return replace(params, max_tokens=args.max_tokens)
+    if "max_tokens" not in engine.generation_defaults.values:
+        return replace(params, max_tokens=256)
+    return params
 
 
 def _run_generate(args: argparse.Namespace, chat: bool) -> int:
     from tokenmill.engine import Engine
-    from tokenmill.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
     engine = Engine(engine_config_from_args(args))
+    params = sampling_params_from_args(engine, args)
+    if chat and args.message is None:
+        from tokenmill.chat_session import ChatSession
+
+        return ChatSession(
+            engine, params, system=args.system, stats=args.stats, show_prompt=args.show_prompt
+        ).run()
     if chat:
         messages = []
         if args.system:
@@ -83,9 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=lambda a: _run_generate(a, chat=False))
 
-    chat = sub.add_parser("chat", help="answer one message through the model's chat template, streaming")
-    chat.add_argument("message")
+    chat = sub.add_parser(
+        "chat",
+        help="talk to the model in the terminal (no message: an interactive session; a message: one answer)",
+    )
+    chat.add_argument("message", nargs="?", default=None, help="answer this once and exit")
     chat.add_argument("--system", default=None, help="an optional system message")
+    chat.add_argument(
+        "--stats", action="store_true", help="after each answer: tokens, time to first token, tokens/s"
+    )
+    chat.add_argument(
+        "--show-prompt", action="store_true", help="print each rendered prompt (to stderr) first"
+    )
     _add_sampling_arguments(chat)
     chat.add_argument("-v", "--verbose", action="store_true")
     add_engine_arguments(chat)

@@ -67,6 +67,9 @@ class EngineConfig:
     quantization: str | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and cache_salt) repeat
+    # sampling defaults for fields a request leaves unset: "auto" (the model's generation_config.json, else
+    # tokenmill's sampled defaults), "none" (SamplingParams' own), or a directory with a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

@@ -71,6 +71,9 @@ class Engine:
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        from tokenmill.generation_defaults import resolve
+
+        self.generation_defaults = resolve(config.generation_config, loaded.source)
         self.model_name = _model_name(loaded.source)
         model_max_len = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max_len:
@@ -122,6 +125,15 @@ class Engine:
         return num_blocks
 
     # --- requests ---------------------------------------------------------------------------------
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's generation defaults (``generation_defaults``), ``overrides`` on top
+        (a value of None leaves the default; a greedy temperature drops the defaults' sampling filters)."""
+        from tokenmill.generation_defaults import for_request
+
+        fields = for_request(self.generation_defaults.values, overrides.get("temperature"))
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**fields)
+
     def add_request(
         self,
         prompt: Prompt,
@@ -130,8 +142,10 @@ class Engine:
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; ValueError for bad input (empty or out-of-vocabulary prompt, too long, duplicate id)."""
-        params = params or SamplingParams()
+        """Queue a request; ValueError for bad input (empty or out-of-vocabulary prompt, too long, duplicate id).
+
+        ``params`` None: :meth:`default_sampling_params` (the model's generation defaults)."""
+        params = params or self.default_sampling_params()
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt must not be empty")
@@ -368,7 +382,7 @@ class Engine:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
             param_list = list(params)
         else:
-            param_list = [params or SamplingParams()] * len(prompt_list)
+            param_list = [params or self.default_sampling_params()] * len(prompt_list)
         ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
         results: dict[str, RequestOutput] = {}
         bar = None

@@ -44,6 +44,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
     )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json, "
+        "else tokenmill's: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05), none "
+        "(OpenAI's: temperature 1.0, no filters), or a directory holding a generation_config.json",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -62,4 +69,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         seed=args.engine_seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        generation_config=args.generation_config,
     )

@@ -224,7 +224,10 @@ def test_sampling_fields_change_the_output_as_specified(server: ServerProcess) -
     assert biased["choices"][0]["text"] == text  # +100 on one token: it is every token
     greedy = httpx.post(url, json={**base, "temperature": 0}).json()["choices"][0]["text"]
     for seed in (1, 2):  # top_k=1 leaves one candidate whatever the temperature and the seed
-        top1 = httpx.post(url, json={**base, "temperature": 1.5, "top_k": 1, "seed": seed}).json()
+        # (repetition_penalty 1.0: a sampled request otherwise takes the default 1.1, which greedy does not)
+        top1 = httpx.post(
+            url, json={**base, "temperature": 1.5, "top_k": 1, "seed": seed, "repetition_penalty": 1.0}
+        ).json()
         assert top1["choices"][0]["text"] == greedy
 
 
@@ -262,13 +265,15 @@ def test_min_p_keeps_only_tokens_near_the_best(server: ServerProcess) -> None:
         "temperature": 1.0,
         "logprobs": 5,
         "ignore_eos": True,
+        "repetition_penalty": 1.0,  # the raw logprobs are the check's reference: no default penalty on top
     }
     below_without = 0
     for seed in range(6):
         with_min_p = httpx.post(url, json={**base, "seed": seed, "min_p": 0.3}).json()["choices"][0]
         for _, logprob, top in _steps(with_min_p):
             assert logprob >= math.log(0.3) + max(top.values()) - 1e-4
-        free = httpx.post(url, json={**base, "seed": seed, "temperature": 1.5}).json()["choices"][0]
+        unfiltered = {"temperature": 1.5, "min_p": 0.0, "top_k": -1, "top_p": 1.0}  # no default filter either
+        free = httpx.post(url, json={**base, "seed": seed, **unfiltered}).json()["choices"][0]
         below_without += sum(lp < math.log(0.3) + max(top.values()) for _, lp, top in _steps(free))
     assert below_without > 0
 

@@ -282,3 +282,24 @@ def test_metrics_say_which_kernels_run(server: ServerProcess) -> None:
         expected = "none"
     (key,) = [k for k in server.metrics() if k.startswith("tokenmill:build_info")]
     assert f'kernel_variant="{expected}"' in key
+
+
+def test_unset_sampling_fields_take_the_model_defaults(client: openai.OpenAI, model: str) -> None:
+    """The embedded GGUF has no generation_config.json: a request that sets no sampling field samples with
+    tokenmill's documented defaults (generation_defaults.FALLBACK), exactly as one that spells them out; one
+    that sets OpenAI's temperature 1.0 and no filters gets what it asked for."""
+    from tokenmill.generation_defaults import FALLBACK
+
+    base: dict[str, Any] = {"model": model, "messages": CHAT, "max_tokens": 24, "seed": 77}
+    unset = client.chat.completions.create(**base)
+    spelled = client.chat.completions.create(
+        **base,
+        temperature=FALLBACK["temperature"],
+        top_p=FALLBACK["top_p"],
+        extra_body={k: FALLBACK[k] for k in ("top_k", "min_p", "repetition_penalty")},
+    )
+    assert unset.choices[0].message.content == spelled.choices[0].message.content
+    plain = client.chat.completions.create(
+        **base, temperature=1.0, top_p=1.0, extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    )
+    assert plain.choices[0].message.content != unset.choices[0].message.content  # seeded: deterministic

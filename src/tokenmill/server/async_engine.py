@@ -188,6 +188,10 @@ class AsyncEngine:
         # Read-only facts the handlers may use without crossing into the engine thread.
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        # the sampling defaults for fields a request leaves unset (generation_defaults.py); an engine double
+        # in the tests may have none
+        defaults = getattr(engine, "generation_defaults", None)
+        self.sampling_defaults: dict[str, Any] = dict(defaults.values) if defaults is not None else {}
         self.model_name: str = engine.model_name
         self.clock: Callable[[], float] = getattr(engine, "clock", time.perf_counter)
         self.max_queue = max_queue

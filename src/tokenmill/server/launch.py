@@ -146,6 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     metrics.set_build_info(info)
     logger.info("%s", system_info.one_line(info))
     logger.info("%s; KV cache %.1f MB", engine.loaded.describe_weights(), engine.kv_cache_bytes / 1e6)
+    logger.info("%s", engine.generation_defaults.describe())
     async_engine = AsyncEngine(
         engine,
         max_queue=args.max_queue,

@@ -11,10 +11,12 @@ naming it, never silently ignored, and JSON types are not coerced (``"stream": "
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
+from tokenmill.generation_defaults import for_request
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # choices per request: each is its own engine request
@@ -529,9 +531,14 @@ def to_sampling_params(
     prompt_logprobs: int | None = None,
     seed: int | None = None,
     chat: bool = False,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """The SamplingParams for one choice; ParamError (naming the request field) for an invalid value."""
+    """The SamplingParams for one choice; ParamError (naming the request field) for an invalid value.
+
+    ``defaults`` (the engine's generation defaults) fill the sampling fields the request leaves unset; past
+    them, OpenAI's (temperature 1.0, no top-p/top-k/min-p filter, no repetition penalty)."""
     req.check_stops()
+    d = for_request(dict(defaults or {}), req.temperature)
     structured, _ = req.structured()
     stop = req.stop
     if isinstance(stop, str):
@@ -539,10 +546,10 @@ def to_sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=d.get("top_k", -1) if req.top_k is None else req.top_k,
+            min_p=d.get("min_p", 0.0) if req.min_p is None else req.min_p,
             seed=seed,
             stop=list(stop or []),
             stop_token_ids=list(req.stop_token_ids or []),
@@ -551,7 +558,9 @@ def to_sampling_params(
             min_tokens=req.min_tokens or 0,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=(
+                d.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty
+            ),
             logit_bias=parse_logit_bias(req.logit_bias),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

@@ -92,8 +92,10 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_ids = await run_in_threadpool(encode_messages, state, req)  # the template off the event loop
         n = req.num_choices
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:  # OpenAI's default: whatever room the context leaves
-            max_tokens = max(max_model_len - len(prompt_ids), 1)
+        defaults = state.async_engine.sampling_defaults
+        if max_tokens is None:  # the model's max_new_tokens, else OpenAI's: whatever room the context leaves
+            room = max(max_model_len - len(prompt_ids), 1)
+            max_tokens = min(defaults["max_tokens"], room) if "max_tokens" in defaults else room
         if max_tokens < 1:  # a prompt-only score is the completions route's echo
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ParamError(f"{param} must be at least 1, got {max_tokens}", param=param)
@@ -111,6 +113,7 @@ async def create_chat_completion(request: Request) -> Response:
                 logprobs=logprobs,
                 seed=None if req.seed is None else req.seed + i,
                 chat=True,
+                defaults=defaults,
             )
             engine_prompts.append((prompt_ids, params))
         if req.forces_tool_call:  # "required" or a named function: the grammar writes a valid call

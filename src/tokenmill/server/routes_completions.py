@@ -83,6 +83,7 @@ async def create_completion(request: Request) -> Response:
                     logprobs=req.logprobs,
                     prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None,
                     seed=None if req.seed is None else req.seed + i,
+                    defaults=state.async_engine.sampling_defaults,
                 )
                 engine_prompts.append((prompt.token_ids, params))
     except ParamError as exc:
