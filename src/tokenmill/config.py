@@ -70,6 +70,8 @@ class EngineConfig:
     # sampling defaults for fields a request leaves unset: "auto" (the model's generation_config.json, else
     # tokenmill's sampled defaults), "none" (SamplingParams' own), or a directory with a generation_config.json
     generation_config: str = "auto"
+    # ranks one model's layers are split over (worker/tensor_parallel.py; gloo on CPU)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -95,6 +97,11 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.quantization not in (None, "fp32"):
+            raise ValueError(
+                f"tensor_parallel_size > 1 runs on fp32 weights; quantization={self.quantization!r} is not split"
+            )
         if self.quantization not in (None, "gguf", "fp32", "int8"):
             raise ValueError(f"quantization must be one of None, gguf, fp32, int8, got {self.quantization!r}")
 

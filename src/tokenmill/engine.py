@@ -65,10 +65,15 @@ class Engine:
         self.clock = clock
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        tp = config.tensor_parallel_size
+        load_kwargs = {
+            "model": config.model,
+            "device": config.device,
+            "dtype": config.dtype,
+            "quantization": "fp32" if tp > 1 else config.quantization,  # TP splits fp32 weights
+        }
         if loaded is None:
-            loaded = load_model(
-                config.model, device=config.device, dtype=config.dtype, quantization=config.quantization
-            )
+            loaded = load_model(**load_kwargs)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         from tokenmill.generation_defaults import resolve
@@ -82,7 +87,18 @@ class Engine:
             )
         self.max_model_len = config.max_model_len or model_max_len
 
-        bytes_per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
+        kv_config = loaded.config
+        if tp > 1:  # the pool is per rank: rank 0 holds the most KV heads
+            from tokenmill.worker.tensor_parallel import check_size, split
+
+            check_size(kv_config.num_key_value_heads, tp)
+            k0, k1 = split(kv_config.num_key_value_heads, tp, 0)
+            kv_config = replace(
+                kv_config,
+                num_key_value_heads=k1 - k0,
+                num_attention_heads=(k1 - k0) * kv_config.num_queries_per_kv,
+            )
+        bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, loaded.dtype)
         self.num_total_blocks = config.num_kv_blocks or self._blocks_from_budget(bytes_per_block)
         self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
         self.scheduler_config = SchedulerConfig(
@@ -104,7 +120,16 @@ class Engine:
             sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
-        self.runner = ModelRunner(loaded, self.num_total_blocks, config.block_size, seed=config.seed)
+        self.tp_group: Any = None
+        if tp > 1:
+            from tokenmill.worker.tensor_parallel import TensorParallelGroup
+
+            self.tp_group = TensorParallelGroup(
+                loaded, load_kwargs, tp, self.num_total_blocks, config.block_size
+            )
+        self.runner = ModelRunner(
+            loaded, self.num_total_blocks, config.block_size, seed=config.seed, tp_group=self.tp_group
+        )
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
@@ -125,6 +150,11 @@ class Engine:
         return num_blocks
 
     # --- requests ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also exit with this process)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation defaults (``generation_defaults``), ``overrides`` on top
         (a value of None leaves the default; a greedy temperature drops the defaults' sampling filters)."""

@@ -45,6 +45,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
     )
     g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model's layers over this many processes (torch.distributed, gloo on CPU; fp32 weights)",
+    )
+    g.add_argument(
         "--generation-config",
         default="auto",
         help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json, "
@@ -70,4 +76,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.engine_seed,
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

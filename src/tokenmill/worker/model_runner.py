@@ -8,6 +8,7 @@ unless the request asked for prompt logprobs.
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -16,17 +17,24 @@ from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache
 from tokenmill.outputs import Logprob
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.worker.tensor_parallel import StepInputs
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0, tp_group: Any = None
+    ) -> None:
+        """``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
+        tensor-parallel model: the KV cache holds this rank's heads, each step's inputs go to the workers)."""
         self.loaded = loaded
+        self.tp_group = tp_group
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+        kv_config = loaded.config if tp_group is None else tp_group.local_config
+        self.kv_caches = allocate_kv_cache(kv_config, num_blocks, block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
@@ -48,6 +56,16 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        if self.tp_group is not None:  # the workers run the same forward on their shards
+            self.tp_group.broadcast(
+                StepInputs(
+                    input_ids,
+                    positions,
+                    query_lens,
+                    [row.seq_len for row in rows],
+                    [row.block_ids for row in rows],
+                )
+            )
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(input_ids_t, positions_t, meta, self.kv_caches)  # [T, H]
