@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, in under five minutes on one CUDA GPU: the GPU tests (pytest -m gpu), then the benchmark
+# The GPU check, in under five minutes on one CUDA GPU: the GPU tests (pytest -m gpu; with two GPUs that includes
+# tensor parallelism over NCCL, tests/integration/test_tensor_parallel.py), then the benchmark
 # suite on CUDA in bf16 (tokenmill, transformers static and continuous batching; llama.cpp if installed).
 #
 #   bash benchmarks/gpu_check.sh            # from anywhere; output in bench_out/ (git-ignored)

@@ -88,3 +88,20 @@ def test_sizes_that_cannot_split_are_refused() -> None:
         Engine(EngineConfig(device="cpu", quantization="fp32", num_kv_blocks=8, tensor_parallel_size=4))
     with pytest.raises(ValueError, match="fp32 weights"):
         EngineConfig(quantization="int8", tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+def test_nccl_tp2_equals_tp1_on_two_gpus() -> None:
+    """The CUDA path (NCCL, one device per rank), run by benchmarks/gpu_check.sh; needs two GPUs."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA devices, found {torch.cuda.device_count()}")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = dict(device="cuda", dtype="float32", quantization="fp32", num_kv_blocks=128)
+    expected = _run(Engine(EngineConfig(**base)), PROMPTS, params)
+    two = Engine(EngineConfig(**base, tensor_parallel_size=2))
+    try:
+        assert list(_run(two, PROMPTS, params).values()) == list(expected.values())
+    finally:
+        two.close()

@@ -100,13 +100,49 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; llama3_json: a JSON object)",
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = parser.add_argument_group("data-parallel replicas on Ray Serve (optional extra: tokenmill[ray])")
+    r.add_argument("--ray", action="store_true", help="serve --num-replicas engines behind Ray Serve's proxy")
+    r.add_argument(
+        "--num-replicas", type=int, default=2, help="with --ray: replicas (the minimum when autoscaling)"
+    )
+    r.add_argument("--max-replicas", type=int, default=None, help="with --ray: autoscale up to this many")
+    r.add_argument(
+        "--target-ongoing-requests", type=int, default=16, help="with --ray: a replica's queue to scale on"
+    )
+    r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="with --ray: Ray CPUs per replica")
     s.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
     )
 
 
+def _run_ray_serve(args: argparse.Namespace) -> int:
+    """``tokenmill serve --ray``: the same routes from ``--num-replicas`` engines behind Ray Serve's proxy."""
+    import dataclasses
+
+    from tokenmill.serving.ray_serve import build_deployment, run
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine_kwargs = dataclasses.asdict(engine_config_from_args(args))
+    app = build_deployment(
+        engine_kwargs,
+        num_replicas=args.num_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        num_cpus_per_replica=args.num_cpus_per_replica,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+    )
+    logger.info("serving %d replica(s) on Ray Serve at http://%s:%d", args.num_replicas, args.host, args.port)
+    run(app, host=args.host, port=args.port, blocking=True)
+    return 0
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build everything from ``args`` and serve until a signal; 0 after a clean shutdown."""
+    if args.ray:
+        return _run_ray_serve(args)
     import uvicorn
 
     from tokenmill import system_info

@@ -1,4 +1,6 @@
-"""Tensor parallelism over ``torch.distributed``: one model's layers split across ranks (gloo on CPU).
+"""Tensor parallelism over ``torch.distributed``: one model's layers split across ranks (gloo on CPU, NCCL on
+CUDA with one device per rank; the NCCL path runs in ``benchmarks/gpu_check.sh`` on a machine with two GPUs and
+has not run yet).
 
 Rank 0 is the engine's own process: it schedules, and before each forward broadcasts the step's inputs
 (:class:`StepInputs`: token ids, positions, lengths and block tables, never the requests) to the worker
@@ -108,7 +110,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int) -> Any:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(proj, Linear):
-                raise ValueError("tensor parallelism runs on fp32 weights: load with quantization='fp32'")
+                raise ValueError("tensor parallelism splits dense weights: load with quantization='fp32'")
         qkv = attn.qkv_proj
         attn.qkv_proj = _linear(qkv.weight[rows_qkv], None if qkv.bias is None else qkv.bias[rows_qkv])
         o = attn.o_proj
@@ -138,13 +140,23 @@ def _prepare(loaded: Any, rank: int, world: int) -> Any:
     return local_config
 
 
+def _backend_and_device(load_kwargs: dict[str, Any], rank: int) -> tuple[str, dict[str, Any]]:
+    """gloo on CPU; NCCL on CUDA with one device per rank (``cuda:<rank>``)."""
+    device = str(load_kwargs.get("device") or "auto")
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(rank)
+        return "nccl", {**load_kwargs, "device": f"cuda:{rank}"}
+    return "gloo", load_kwargs
+
+
 def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str, Any], num_blocks: int,
                  block_size: int, num_threads: int, timeout_s: float) -> None:  # fmt: skip
     from tokenmill.model.attention import AttentionMetadata
     from tokenmill.model.loader import allocate_kv_cache, load_model
 
     torch.set_num_threads(num_threads)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+    backend, load_kwargs = _backend_and_device(load_kwargs, rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
     loaded = load_model(**load_kwargs)
     local_config = _prepare(loaded, rank, world)
@@ -172,8 +184,12 @@ class TensorParallelGroup:
     def __init__(self, loaded: Any, load_kwargs: dict[str, Any], world: int, num_blocks: int, block_size: int,
                  timeout_s: float = 30.0) -> None:  # fmt: skip
         check_size(loaded.config.num_key_value_heads, world)
-        if loaded.device.type != "cpu":
-            raise ValueError("tensor parallelism runs on CPU (gloo) here; the NCCL path is not built")
+        if loaded.device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size {world} needs {world} CUDA devices, found {torch.cuda.device_count()}"
+            )
+        if loaded.device.type == "cuda" and loaded.device.index not in (None, 0):
+            raise ValueError("under tensor parallelism rank 0 runs on cuda:0")
         self.world = world
         num_threads = max(1, torch.get_num_threads() // world)
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -191,7 +207,8 @@ class TensorParallelGroup:
         for w in self.workers:
             w.start()
         torch.set_num_threads(num_threads)
-        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world,
+        backend, _ = _backend_and_device({"device": str(loaded.device)}, 0)
+        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))  # fmt: skip
         self.local_config = _prepare(loaded, 0, world)
         dist.barrier()

@@ -1,0 +1,119 @@
+"""Data-parallel replicas of the engine behind Ray Serve's HTTP proxy, with the same OpenAI routes.
+
+Each replica is one Ray actor holding a whole engine (its own model copy, KV pool, scheduler and engine
+thread) and tokenmill's FastAPI app (``server/app.py``) as its ASGI ingress; Ray Serve's proxy spreads requests
+over the replicas and scales their number between ``min_replicas`` and ``max_replicas`` on the requests each
+has in flight (``target_ongoing_requests``: a replica's queue). Every response carries an
+``x-tokenmill-replica`` header naming the replica (its Ray replica id and process id), so a client can see the
+spread. A replica that dies fails only the requests it was serving; Ray Serve starts another.
+
+One machine works as a cluster would: ``ray start --head`` (or nothing: :func:`run` starts a local Ray), then
+``tokenmill serve --ray --num-replicas 2``; across machines, ``ray start --address HEAD:6379`` on each and the
+same command on the head. Ray is an optional extra: ``pip install 'tokenmill[ray]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+RAY_EXTRA_HINT = "Ray Serve is an optional extra: pip install 'tokenmill[ray]' (or 'ray[serve]')"
+
+
+def _require_serve() -> Any:
+    try:
+        from ray import serve
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(RAY_EXTRA_HINT) from exc
+    return serve
+
+
+class _ReplicaHeader:
+    """ASGI middleware: ``x-tokenmill-replica: <replica id>/<pid>`` on every HTTP response."""
+
+    def __init__(self, app: Any, tag: str) -> None:
+        self.app, self.tag = app, tag.encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-tokenmill-replica", self.tag)],
+                }
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+def build_deployment(
+    engine_kwargs: dict[str, Any],
+    *,
+    num_replicas: int = 1,
+    max_replicas: int | None = None,
+    target_ongoing_requests: int = 16,
+    num_cpus_per_replica: float = 1.0,
+    served_model_name: str | None = None,
+    max_queue: int = 256,
+) -> Any:
+    """A bound Ray Serve application of ``num_replicas`` engines (autoscaling up to ``max_replicas`` when that
+    is larger). ``engine_kwargs`` are ``EngineConfig`` fields, applied in every replica."""
+    serve = _require_serve()
+    autoscaling = None
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus_per_replica}}
+    if max_replicas is not None and max_replicas > num_replicas:
+        autoscaling = {
+            "min_replicas": num_replicas,
+            "max_replicas": max_replicas,
+            "target_ongoing_requests": target_ongoing_requests,
+        }
+        options["autoscaling_config"] = autoscaling
+    else:
+        options["num_replicas"] = num_replicas
+    # a replica takes no more than its engine's queue: more would wait in Serve's queue instead
+    options["max_ongoing_requests"] = max_queue
+
+    @serve.deployment(name="tokenmill", **options)
+    @serve.ingress()
+    class TokenmillReplica:
+        def __init__(self) -> None:
+            from tokenmill.config import EngineConfig
+            from tokenmill.engine import Engine
+            from tokenmill.server.async_engine import AsyncEngine
+            from tokenmill.server.metrics import ServerMetrics
+
+            engine = Engine(EngineConfig(**engine_kwargs))
+            self.served_name = served_model_name or engine.model_name
+            self.async_engine = AsyncEngine(
+                engine, max_queue=max_queue, metrics=ServerMetrics(self.served_name)
+            )
+            self.async_engine.start()
+            try:
+                replica = serve.get_replica_context().replica_id.unique_id
+            except Exception:  # outside a replica (a test calling the class directly)
+                replica = "local"
+            self.tag = f"{replica}/{os.getpid()}"
+
+        def __serve_build_asgi_app__(self) -> Any:
+            from tokenmill.server.app import build_app
+
+            return _ReplicaHeader(build_app(self.async_engine, self.served_name), self.tag)
+
+    return TokenmillReplica.bind()
+
+
+def run(
+    app: Any, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, blocking: bool = True
+) -> Any:
+    """Start (or join, ``address`` / ``RAY_ADDRESS``) Ray, put Serve's proxy on ``host:port``, deploy ``app``."""
+    import ray
+
+    serve = _require_serve()
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(app, name="tokenmill", route_prefix="/", blocking=blocking)

@@ -1,0 +1,113 @@
+"""Two data-parallel replicas on Ray Serve on this machine (``tokenmill serve --ray``): the openai SDK's chat and
+streaming through Serve's proxy, requests spread over both replicas (the ``x-tokenmill-replica`` header), and a
+replica killed mid-stream failing only its own streams while the other's finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from serverproc import ServerProcess
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow  # a Ray cluster and two model copies on two cores
+
+
+@pytest.fixture(scope="module")
+def ray_server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--ray", "--num-replicas", "2", "--num-cpus-per-replica", "0.5").start(timeout_s=300)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _tag(server: ServerProcess) -> str:
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers["x-tokenmill-replica"]
+
+
+def test_openai_chat_and_streaming_through_serve(ray_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{ray_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, stream=True,
+        temperature=0,
+    ))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_requests_spread_over_both_replicas(ray_server: ServerProcess) -> None:
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(4):
+            tag = _tag(ray_server)
+            with lock:
+                counts[tag] += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(counts.values()) == 24
+    assert len(counts) == 2, counts  # per-replica counts: both served
+
+
+def _stream(server: ServerProcess, results: dict[int, Any], i: int, started: threading.Event) -> None:
+    body = {"prompt": f"Story {i}:", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    outcome: dict[str, Any] = {"tag": None, "done": False, "chunks": 0, "error": None}
+    results[i] = outcome
+    try:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as r:
+            outcome["tag"] = r.headers.get("x-tokenmill-replica")
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    outcome["done"] = True
+                elif line.startswith("data: "):
+                    payload = json.loads(line[6:])
+                    if "error" in payload:
+                        outcome["error"] = payload["error"]
+                    outcome["chunks"] += 1
+                    if outcome["chunks"] == 2:
+                        started.set()
+    except httpx.HTTPError as exc:
+        outcome["error"] = repr(exc)
+
+
+def test_a_replica_killed_mid_stream_fails_only_its_own_requests(ray_server: ServerProcess) -> None:
+    results: dict[int, Any] = {}
+    events = [threading.Event() for _ in range(6)]
+    threads = [threading.Thread(target=_stream, args=(ray_server, results, i, events[i])) for i in range(6)]
+    for t in threads:
+        t.start()
+    for e in events:
+        assert e.wait(120), "a stream never started"
+    tags = Counter(r["tag"] for r in results.values())
+    assert len(tags) == 2, f"six concurrent streams all went to one replica: {tags}"
+    victim = min(tags)  # one replica's process
+    os.kill(int(victim.rsplit("/", 1)[1]), signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    for r in results.values():
+        if r["tag"] == victim:
+            assert not r["done"], "a stream of the killed replica claims to have finished"
+        else:
+            assert r["done"] and r["error"] is None, r  # the other replica's streams run to the end
