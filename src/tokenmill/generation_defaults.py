@@ -84,14 +84,20 @@ def resolve(mode: str, model_path: str | Path | None) -> GenerationDefaults:
     )
 
 
-def read(path: Path) -> dict[str, Any]:
-    """The sampling fields of one ``generation_config.json``; ValueError when it is not JSON."""
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object (a model directory's configs); ValueError otherwise."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The sampling fields of one ``generation_config.json``; ValueError when it is not a JSON object."""
+    data = read_json_object(path)
     values = {ours: data[theirs] for theirs, ours in _FIELDS.items() if data.get(theirs) is not None}
     if data.get("do_sample") is False:
         values["temperature"] = 0.0  # transformers: greedy, whatever temperature says

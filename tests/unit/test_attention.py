@@ -286,3 +286,17 @@ def test_reference_matches_dense_causal_sdpa() -> None:
     torch.testing.assert_close(
         paged_attention_reference(q, k_cache, v_cache, meta, SCALE), dense, atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_sliding_window_matches_the_reference_mask(window: int) -> None:
+    """Decode rows, a prefill after a cached prefix and a fresh prefill, some past the window: each query
+    sees keys i - window < j <= i, as the float32 reference masks them."""
+    rng = random.Random(window)
+    q, k_cache, v_cache, meta = _random_step(rng, [1, 9, 20, 1], [40, 12, 0, 3], block_size=4, num_blocks=64)
+    got = paged_attention(q, k_cache, v_cache, meta, SCALE, window=window)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE, window=window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    if window < 40:  # the window changed the answer: the check can fail
+        full = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
+        assert (full - expected).abs().max() > 1e-3

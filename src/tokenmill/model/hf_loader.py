@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from tokenmill.generation_defaults import read_json_object
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.llama import LlamaForCausalLM, build_llama
 
@@ -66,11 +65,4 @@ def load_hf_model(
     return config, build_llama(config, state_dict, dtype)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
-    return data
+_read_json = read_json_object
