@@ -27,8 +27,8 @@ class TokenmillRunner(Runner):
         self.quantization = quantization
         self.engine_kwargs = engine_kwargs
         self.name = "tokenmill" if quantization is None else f"tokenmill_{quantization}"
-        weights = quantization or dtype
-        self.note = f"tokenmill LLM.generate, {weights} weights"
+        # the weights' form (gguf blocks, fp32, int8) is known once loaded: the suite appends describe_weights()
+        self.note = f"tokenmill LLM.generate, {dtype} activations"
         self.llm: Any = None
 
     def unavailable(self) -> str | None:

@@ -20,10 +20,10 @@ def read_hf_config(model_dir: Path) -> LlamaConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-    config = LlamaConfig.from_hf_dict(_read_json(config_path))
+    config = LlamaConfig.from_hf_dict(read_json_object(config_path))
     generation_path = model_dir / "generation_config.json"
     if generation_path.is_file():
-        eos = _read_json(generation_path).get("eos_token_id")
+        eos = read_json_object(generation_path).get("eos_token_id")
         extra = [eos] if isinstance(eos, int) else list(eos or [])
         eos_ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
         return dataclasses.replace(config, eos_token_ids=eos_ids)
@@ -34,7 +34,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     """The weight files: the shards named by the index, or the single file; ValueError if none."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map") or {}
+        weight_map = read_json_object(index_path).get("weight_map") or {}
         shards = [model_dir / name for name in sorted(set(weight_map.values()))]
         if not shards:
             raise ValueError(f"{index_path} lists no weight files")
@@ -63,6 +63,3 @@ def load_hf_model(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 state_dict[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     return config, build_llama(config, state_dict, dtype)
-
-
-_read_json = read_json_object

@@ -390,8 +390,6 @@ def fuse_hf_state_dict(
         kind, what = match.groups()
         prefix = name[: match.start()]
         if kind == "q":
-            if f"{prefix}.k_proj.{what}" not in state_dict:  # taken by a quantized module with its q
-                continue
             parts = [state_dict[f"{prefix}.{x}_proj.{what}"] for x in ("q", "k", "v")]
             _check_fused_dims(prefix, parts[0].shape[0], parts[1].shape[0], config)
             fused[f"{prefix}.qkv_proj.{what}"] = torch.cat(parts, dim=0)  # [(Hq + 2 Hkv) * D, ...]
