@@ -183,6 +183,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf file or HF directory (default: embedded)")
     parser.add_argument("--int-mm", action="store_true", help="also measure the rejected torch._int_mm path")
     parser.add_argument("--bf16", action="store_true", help="also the whole model in bf16, for scale (slow)")
+    parser.add_argument(
+        "--gguf-q8",
+        action="store_true",
+        help="also quantization='gguf-q8' (8-bit activations on the GGUF blocks)",
+    )
     args = parser.parse_args()
 
     common = {"model": args.model, "device": "cpu", "num_threads": args.threads}
@@ -195,6 +200,8 @@ def main() -> None:
         use_int_mm(candidates["int8 int_mm"])
     if args.bf16:
         candidates["bf16"] = Engine(**common, dtype="bfloat16")
+    if args.gguf_q8:
+        candidates["gguf-q8"] = Engine(**common, dtype="float32", quantization="gguf-q8")
     print(f"loaded {len(candidates) + 1} engines in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     results = {name: compare(reference, engine, args.tokens) for name, engine in candidates.items()}

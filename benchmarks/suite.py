@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cases also run with quantization='fp32' (the GGUF dequantized at load, beside the default that "
         "computes from its blocks); '' for none",
     )
+    parser.add_argument(
+        "--q8-cases",
+        default="b,c,d",
+        help="cases also run with quantization='gguf-q8' (the blocks times activations rounded to 8 bits, "
+        "llama.cpp's arithmetic, beside the default's exact fp32 activations); '' for none",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
     parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead probe")
     parser.add_argument(
@@ -96,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.fp32_case_list = (
         _split(args.fp32_cases, workloads.ALL_CASES, "--fp32-cases") if args.fp32_cases else []
     )
+    args.q8_case_list = _split(args.q8_cases, workloads.ALL_CASES, "--q8-cases") if args.q8_cases else []
     return args
 
 
@@ -155,6 +162,12 @@ class Suite:
         caching = {"enable_prefix_caching": getattr(self.args, "enable_prefix_caching", True)}
         tm = TokenmillRunner(self.device, self.dtype, self.num_threads, model=model, **caching)
         out.append((self._with_bytes(tm, wb, wb), self.args.case_list))
+        q8_cases = [c for c in self.args.case_list if c in getattr(self.args, "q8_case_list", [])]
+        if q8_cases and self.device == "cpu":  # the GGUF blocks' kernels are CPU-only
+            q8 = TokenmillRunner(
+                self.device, self.dtype, self.num_threads, quantization="gguf-q8", model=model, **caching
+            )
+            out.append((self._with_bytes(q8, wb, wb), q8_cases))
         fp32_cases = [c for c in self.args.case_list if c in self.args.fp32_case_list]
         if fp32_cases:
             f = TokenmillRunner(
@@ -241,7 +254,7 @@ class Suite:
             self._build_cases(runner)
         if isinstance(runner, TokenmillRunner) and runner.llm is not None:
             loaded = runner.llm.engine.loaded
-            if loaded.quantization == "gguf":  # the bytes it reads: the blocks as kept in memory
+            if loaded.quantization in ("gguf", "gguf-q8"):  # the bytes it reads: the blocks as kept in memory
                 runner.weight_bytes = loaded.weight_bytes / (
                     self.shape.matmul_params + self.shape.lm_head_params
                 )

@@ -3,15 +3,17 @@
 import os
 
 # How long an idle OpenMP thread spins before it sleeps, between the parallel regions of a step. libgomp's
-# default (300,000 spins) turns a busy 2-core machine into a crawl: with another process on the cores, a
-# [4, 576] x [576, 3072] matmul took 24 ms instead of 0.7 ms. Not spinning at all (OMP_WAIT_POLICY=PASSIVE)
-# costs a wake-up per region: single-stream decode ran at 32 tok/s instead of 40-43 (fp32) and 65 instead of
-# 101-106 (int8) here. 1,000 spins (tens of microseconds) bridges the gaps inside a step and still yields the
-# core to a neighbour (that matmul: 0.52 ms next to a busy process, 1.08 ms with PASSIVE). Measured in
+# default (300,000 spins, milliseconds) turns a busy 2-core machine into a crawl: with another process on the
+# cores, a [4, 576] x [576, 3072] matmul took 24 ms instead of 0.7 ms. Not spinning (OMP_WAIT_POLICY=PASSIVE)
+# costs a wake-up per region, ~90 us under KVM here: single-stream decode ran 4x slower. The spin has to outlast
+# the waits inside a step (a thread done with its half of a matmul waits for the other): 4,000 spins (~45 us at
+# the 11 ns a pause-spin takes on the KVM Xeon of 2026-12-01) against the 1,000 (~11 us) used before: fp32
+# single-stream decode 22.4 -> 18.7 ms per token, case (b) 21 -> 20 s; next to a process spinning on one of the
+# two cores, decode of 64 tokens 0.90 s at 1,000 spins, 1.2-1.5 s at 2,000-4,000, 2.3 s at 10,000. Measured in
 # benchmarks/README.md. Only takes effect if tokenmill is imported before torch starts its thread pool, and
 # never overrides the user's OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "1000"
+    os.environ["GOMP_SPINCOUNT"] = "4000"
 # Large CPU tensors (the KV cache, packed weights) on 2 MB transparent huge pages (torch's allocator reads this
 # once; this kernel grants them on request only): decode attention reads every row's blocks, scattered over
 # the pool, each step, and with 4 KB pages that is a TLB miss every few KB (32 vs 34-38 ms per 30 layers at

@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument(
         "--model", default=None, help="the model to load (implies --load; default: the embedded one)"
     )
-    info.add_argument("--quantization", default=None, choices=["gguf", "fp32", "int8"], help="implies --load")
+    info.add_argument(
+        "--quantization", default=None, choices=["gguf", "gguf-q8", "fp32", "int8"], help="implies --load"
+    )
     info.set_defaults(func=_run_info)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

@@ -23,15 +23,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="tokens per step; long prompts go in chunks of this (default 512 on CPU, 2048 on CUDA)",
+        help="tokens per step; long prompts go in chunks of this (server default 512 on CPU, 2048 on CUDA)",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["gguf", "fp32", "int8"],
-        help="gguf: compute from a GGUF's quantized blocks (the default for one on CPU); fp32: dequantize them "
+        choices=["gguf", "gguf-q8", "fp32", "int8"],
+        help="gguf: compute from a GGUF's quantized blocks (the default for one on CPU); gguf-q8: the same, 4-bit "
+        "blocks times activations rounded to 8 bits (llama.cpp's arithmetic, faster); fp32: dequantize them "
         "at load; int8: weight-only int8 from the fp32 weights",
     )
     g.add_argument("--num-threads", type=int, default=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import OFFLINE_BATCHED_TOKENS, EngineConfig
 from tokenmill.engine import Engine, Prompt, as_prompt_list
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -24,6 +24,9 @@ class LLM:
         unknown = set(engine_kwargs) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        engine_kwargs.setdefault(
+            "max_num_batched_tokens", OFFLINE_BATCHED_TOKENS
+        )  # offline: throughput first
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
 
     def get_tokenizer(self) -> Any:

@@ -47,3 +47,11 @@ def embedded_fp32():
     from tokenmill.model.loader import load_model
 
     return load_model(None, device="cpu", quantization="fp32")
+
+
+@pytest.fixture(scope="session")
+def embedded_q8():
+    """The embedded model's blocks with 8-bit activations (``quantization="gguf-q8"``, llama.cpp's arithmetic)."""
+    from tokenmill.model.loader import load_model
+
+    return load_model(None, device="cpu", quantization="gguf-q8")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import random_blocks
 
-from tokenmill.model.gguf_blocks import FORMATS, QuantizedWeight, to_groups
+from tokenmill.model.gguf_blocks import FORMATS, LAYOUT_QUADS, QuantizedWeight, pack_groups, to_groups
 
 
 def reference(type_name: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
@@ -134,3 +134,113 @@ def test_kernel_refuses_bad_meta(kernel_variant) -> None:
 def test_unsupported_type_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="Q5_0"):
         to_groups("Q5_0", np.zeros((1, 22), np.uint8), 32)
+
+
+# --- the 8-bit-activation path (quantization="gguf-q8"): 4-bit parts in the quad layout ---------------------
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the kernel is specified to round them, written independently of it: per row and group
+    of 32, s = max|x| / 127 (fp32), code = round half to even(x * (1 / s)) in [-127, 127]; returns code * s in
+    float64 (0 for an all-zero group)."""
+    rows, k = x.shape
+    groups = x.view(rows, k // 32, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    s = amax / 127
+    inv = torch.where(amax > 0, 1.0 / s, torch.zeros_like(s))
+    codes = torch.round(groups * inv).clamp(-127, 127)
+    return (codes.double() * s.double()).view(rows, k)
+
+
+def quad_weight(type_name: str, rows: int, in_features: int, seed: int, tile_rows: int):
+    raw = random_blocks(type_name, rows, in_features, seed)
+    groups = to_groups(type_name, raw, in_features)
+    return QuantizedWeight.from_groups([groups], tile_rows, int8_activations=True), reference(
+        type_name, raw, in_features
+    )
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("tile_rows", [8, 16, 32])
+def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> None:
+    weight, expected = quad_weight(type_name, 37, 2 * _k(type_name), seed=tile_rows, tile_rows=tile_rows)
+    assert weight.int8_activations and weight.type_summary() == "4bit/g32/x8"
+    assert torch.equal(weight.dequantize(), expected)
+    ids = torch.tensor([36, 0, 17])
+    assert torch.equal(weight.dequantize(ids), expected[ids])
+
+
+Q8_CASES = [
+    (1, 960, 576, "Q4_1"),
+    (3, 576, 1536, "Q4_1"),
+    (9, 100, 576, "Q4_1"),
+    (300, 93, 576, "Q4_1"),
+    (2, 30, 64, "Q4_0"),
+    (130, 6, 256, "Q4_K"),
+]
+
+
+@pytest.mark.parametrize(("num_rows", "out_features", "in_features", "type_name"), Q8_CASES)
+def test_int8_activation_kernel_against_rounded_activations_in_float64(
+    kernel_variant, num_rows, out_features, in_features, type_name
+):
+    """Integer dot products are exact, so the kernel equals the rounded activations times the dequantized
+    weights in float64 up to fp32 rounding of the scales and the per-group sums; and it is within the
+    rounding's bound (s / 2 per activation: 1/254 of max|x| in its group) of the exact product."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = quad_weight(type_name, out_features, in_features, seed=num_rows, tile_rows=width)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
+    x[0, :32] = 0.0  # an all-zero group: code 0, no division by zero
+    out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()
+    rounded = round_activations(x)
+    expected = rounded @ w.double().T
+    scale = (rounded.abs() @ w.double().abs().T).clamp_min(1e-30)
+    assert ((out - expected).abs() / scale).max() < 1e-5
+    exact = x.double() @ w.double().T
+    half_steps = x.view(num_rows, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32) / 254  # s / 2 each
+    bound = half_steps.reshape(num_rows, in_features).double() @ w.double().abs().T
+    assert ((out - exact).abs() <= bound * 1.001 + 1e-5 * scale).all()
+
+
+def test_int8_activation_rows_do_not_depend_on_the_batch(kernel_variant) -> None:
+    """Each row's activations are rounded on their own and every row count runs the same arithmetic: a row's
+    output is bit for bit the same alone, in a decode-sized batch and in a prefill-sized one."""
+    width = kernel_variant.quant_tile_rows()
+    weight, _ = quad_weight("Q4_1", 70, 576, seed=5, tile_rows=width)
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(1))
+    full = kernel_variant.quant_linear(x, weight.data, weight.meta)
+    for rows in (slice(0, 1), slice(3, 4), slice(0, 7), slice(100, 164)):
+        assert torch.equal(kernel_variant.quant_linear(x[rows], weight.data, weight.meta), full[rows])
+
+
+def test_int8_activations_leave_other_formats_exact(kernel_variant) -> None:
+    """A fused Q4_K + Q6_K matrix: the Q4_K rows take the rounded activations, the Q6_K rows stay exact."""
+    in_features = 512
+    raws = [random_blocks(t, r, in_features, seed) for t, r, seed in (("Q4_K", 9, 1), ("Q6_K", 5, 3))]
+    groups = [to_groups(t, r, in_features) for t, r in zip(("Q4_K", "Q6_K"), raws)]
+    weight = QuantizedWeight.from_groups(groups, kernel_variant.quant_tile_rows(), int8_activations=True)
+    assert weight.type_summary() == "4bit/g32/x8+8bit/g16"
+    w4, w6 = reference("Q4_K", raws[0], in_features), reference("Q6_K", raws[1], in_features)
+    for num_rows in (1, 4, 20):
+        x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
+        out = kernel_variant.quant_linear(x, weight.data, weight.meta)
+        rounded = round_activations(x)
+        scale = (rounded.abs() @ w4.double().abs().T).clamp_min(1e-30)
+        assert ((out[:, :9].double() - rounded @ w4.double().T).abs() / scale).max() < 1e-5
+        assert_fp32_matmul(out[:, 9:], x, w6)
+    ids = torch.arange(14)
+    assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), torch.cat([w4, w6]))
+
+
+def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
+    weight, _ = quantized("Q8_0", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
+    bad = weight.meta.clone()
+    bad[0, 8] = 1
+    with pytest.raises(RuntimeError, match="layout"):
+        kernel_variant.quant_linear(torch.randn(1, 64), weight.data, bad)
+    bad[0, 8] = 2
+    with pytest.raises(RuntimeError, match="layout"):
+        kernel_variant.quant_linear(torch.randn(1, 64), weight.data, bad)
+    groups = to_groups("Q8_0", random_blocks("Q8_0", 8, 64, 0), 64)
+    with pytest.raises(ValueError, match="quad layout"):
+        pack_groups(groups, 8, LAYOUT_QUADS)

@@ -23,8 +23,14 @@ the one kernel layout for 5 and 6 bits is a byte, which keeps the kernel to four
 The layout (``csrc/quant_linear.h`` says why): output rows in tiles of the kernels' panel width W; per tile and
 group, W fp32 scales, W fp32 mins (when the format has one), then for each input of the group the W rows'
 codes (4-bit: byte i holds row i low and row i + W/2 high). A :class:`QuantizedWeight` is one or more such
-parts stacked along the output rows, described by ``meta [P, 8]`` int64: (byte offset, rows, K, bits, group,
-has_min, first output row, W).
+parts stacked along the output rows, described by ``meta [P, 9]`` int64: (byte offset, rows, K, bits, group,
+has_min, first output row, W, layout).
+
+Layout 1 (``int8_activations``, 4-bit parts only) keeps the same scales, mins and codes in another order, for
+the kernel that rounds the activations to 8 bits per group of 32 and multiplies with integer dot products
+(llama.cpp's arithmetic for these types): each group's codes in 8 quads of 4 inputs, byte j of a quad holding
+row j // 4 (low nibble) and row W/2 + j // 4 (high) at input j % 4 of the quad. The weights are the same fp32
+values (``dequantize`` reads both layouts); only the activations are rounded.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import numpy as np
 import torch
 
 QK_K = 256  # weights per K-quant super-block
+LAYOUT_INPUTS, LAYOUT_QUADS = 0, 1  # meta column 8
 
 
 class BlockFormat(NamedTuple):
@@ -155,7 +162,7 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
     )
 
 
-def pack_groups(groups: Groups, tile_rows: int) -> np.ndarray:
+def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> np.ndarray:
     """:class:`Groups` -> the tile layout's bytes (rows padded to whole tiles of ``tile_rows`` with zeros)."""
     fmt, rows, num_groups = groups.fmt, groups.codes.shape[0], groups.codes.shape[1]
     padded = -(-rows // tile_rows) * tile_rows
@@ -171,9 +178,17 @@ def pack_groups(groups: Groups, tile_rows: int) -> np.ndarray:
         assert groups.min is not None
         fields.append(tiles(groups.min.astype(np.float32)).transpose(0, 2, 1))
     heads = [np.ascontiguousarray(f).view(np.uint8) for f in fields]  # [tiles, G, 4 * tile_rows] each
+    half = tile_rows // 2
+    if layout == LAYOUT_QUADS:
+        if fmt != BlockFormat(4, 32, True):
+            raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
+        quads = tiles(groups.codes).reshape(num_tiles, tile_rows, num_groups, 8, 4)  # [T, W, G, quad, input]
+        quads = quads.transpose(0, 2, 3, 1, 4)  # [T, G, quad, W, 4]
+        packed = quads[:, :, :, :half] | (quads[:, :, :, half:] << 4)  # byte 4r + i: rows r and r + W/2
+        codes = np.ascontiguousarray(packed).reshape(num_tiles, num_groups, -1)
+        return np.concatenate([*heads, codes], axis=-1).reshape(-1)
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [tiles, G, group, tile_rows]: the rows of one input
     if fmt.bits == 4:
-        half = tile_rows // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
     codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
     return np.concatenate([*heads, codes], axis=-1).reshape(-1)  # [tiles, G, group bytes]
@@ -181,7 +196,7 @@ def pack_groups(groups: Groups, tile_rows: int) -> np.ndarray:
 
 @dataclass
 class QuantizedWeight:
-    """A quantized ``[out_features, in_features]`` matrix: ``data`` uint8 bytes and ``meta`` int64 ``[P, 7]``."""
+    """A quantized ``[out_features, in_features]`` matrix: ``data`` uint8 bytes and ``meta`` int64 ``[P, 9]``."""
 
     data: torch.Tensor
     meta: torch.Tensor
@@ -199,24 +214,46 @@ class QuantizedWeight:
         return self.data.numel() + self.meta.numel() * 8
 
     def type_summary(self) -> str:
-        return "+".join(f"{int(b)}bit/g{int(g)}" for b, g in self.meta[:, 3:5].tolist())
+        return "+".join(
+            f"{b}bit/g{g}" + ("/x8" if layout == LAYOUT_QUADS else "")
+            for b, g, layout in self.meta[:, [3, 4, 8]].tolist()
+        )
+
+    @property
+    def int8_activations(self) -> bool:
+        return bool((self.meta[:, 8] == LAYOUT_QUADS).any())
 
     @classmethod
-    def from_groups(cls, parts: list[Groups], tile_rows: int) -> QuantizedWeight:
+    def from_groups(
+        cls, parts: list[Groups], tile_rows: int, int8_activations: bool = False
+    ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
         ``tile_rows``: the kernels' panel width (``cpu_kernels.quant_tile_rows()``); any even number for the
-        torch path alone.
+        torch path alone. ``int8_activations``: 4-bit parts in the quad layout (the kernel then rounds the
+        activations to 8 bits); other formats stay exact.
         """
         chunks, meta, offset, row = [], [], 0, 0
         in_features = parts[0].codes.shape[1] * parts[0].fmt.group
         for g in parts:
             if g.codes.shape[1] * g.fmt.group != in_features:
                 raise ValueError("stacked quantized parts must have the same number of input features")
-            packed = pack_groups(g, tile_rows)
+            quads = int8_activations and g.fmt == BlockFormat(4, 32, True)
+            layout = LAYOUT_QUADS if quads else LAYOUT_INPUTS
+            packed = pack_groups(g, tile_rows, layout)
             rows = g.codes.shape[0]
             meta.append(
-                [offset, rows, in_features, g.fmt.bits, g.fmt.group, int(g.fmt.has_min), row, tile_rows]
+                [
+                    offset,
+                    rows,
+                    in_features,
+                    g.fmt.bits,
+                    g.fmt.group,
+                    int(g.fmt.has_min),
+                    row,
+                    tile_rows,
+                    layout,
+                ]
             )
             chunks.append(packed)
             offset += packed.size
@@ -227,7 +264,7 @@ class QuantizedWeight:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weight ``[out, in]`` (or its ``rows``), in plain torch: the reference and the fallback."""
         out = []
-        for offset, n, k, bits, group, has_min, _, width in self.meta.tolist():
+        for offset, n, k, bits, group, has_min, _, width, layout in self.meta.tolist():
             num_groups, num_tiles = k // group, -(-n // width)
             head = (2 if has_min else 1) * 4 * width
             group_bytes = head + group * width * bits // 8
@@ -235,7 +272,13 @@ class QuantizedWeight:
             tiles = tiles.view(num_tiles, num_groups, group_bytes)
             scale = tiles[..., : 4 * width].contiguous().view(torch.float32)[:, :, None, :]  # [T, G, 1, W]
             codes = tiles[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
-            if bits == 4:
+            if (
+                layout == LAYOUT_QUADS
+            ):  # [T, G, quad, W/2, 4] bytes -> codes [T, G, quad, W, 4] -> [T, G, 32, W]
+                quads = tiles[..., head:].reshape(num_tiles, num_groups, 8, width // 2, 4)
+                q = torch.cat([quads & 15, quads >> 4], dim=3).permute(0, 1, 2, 4, 3)
+                q = q.reshape(num_tiles, num_groups, group, width).float()
+            elif bits == 4:
                 q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
             else:
                 q = codes.contiguous().view(torch.int8).float()

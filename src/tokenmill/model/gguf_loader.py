@@ -289,8 +289,9 @@ class GGUFFile:
             types = sorted({t.tensor_type.name for t in self.reader().tensors})
         return [t for t in types if t in QUANTIZED_TYPES]
 
-    def load_quantized_model(self) -> tuple[LlamaConfig, LlamaForCausalLM]:
-        """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU."""
+    def load_quantized_model(self, int8_activations: bool = False) -> tuple[LlamaConfig, LlamaForCausalLM]:
+        """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU.
+        ``int8_activations`` (``"gguf-q8"``): 4-bit blocks in the layout of the 8-bit-activation kernel."""
         from tokenmill.model.cpu_kernels import quant_kernels
         from tokenmill.model.quant import build_quantized_llama
 
@@ -298,7 +299,7 @@ class GGUFFile:
         tile_rows = kernels[2] if kernels is not None else 8
         config, dense, quantized = read_quantized_gguf(self.path, self.reader())
         matmuls = None if kernels is None else (kernels[0], kernels[1])
-        return config, build_quantized_llama(config, dense, quantized, tile_rows, matmuls)
+        return config, build_quantized_llama(config, dense, quantized, tile_rows, matmuls, int8_activations)
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> tuple[LlamaConfig, LlamaForCausalLM]:
         config, state_dict = self.load_weights()

@@ -254,6 +254,9 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"need one KV cache per layer ({len(self.model.layers)}), got {len(kv_caches)}")
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        # one rotation for both paths: a token's K/V must not depend on which path computed it (with 8-bit
+        # activations the rounding turns an ulp of difference into a step)
+        cos, sin = self._rope_cos_sin(positions, x.dtype)  # [T, 1, R/2] each
         rows = meta.decode_rows
         if (
             self.decode_stack is not None
@@ -263,14 +266,14 @@ class LlamaForCausalLM(nn.Module):
         ):
             return self.decode_stack.forward(  # type: ignore[no-any-return]
                 x,
-                positions,
+                cos.view(x.shape[0], -1),  # [T, R/2]
+                sin.view(x.shape[0], -1),
                 [k for k, _ in kv_caches],
                 [v for _, v in kv_caches],
                 meta.slot_mapping,
                 rows.block_tables,
                 rows.seq_lens,
             )
-        cos, sin = self._rope_cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache)
         return self.model.norm(x)

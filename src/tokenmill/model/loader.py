@@ -21,9 +21,12 @@ if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
 # None: "gguf" for a quantized GGUF on CPU in fp32 with the C++ kernels, else the weights in ``dtype``;
-# "gguf": GGUF blocks kept quantized (model/gguf_blocks.py); "fp32": a GGUF dequantized at load (a no-op for a
-# directory); "int8": weight-only int8 made from the dequantized weights (model/quant.py).
-QUANTIZATIONS = (None, "gguf", "fp32", "int8")
+# "gguf": GGUF blocks kept quantized (model/gguf_blocks.py), fp32 arithmetic on their exact values; "gguf-q8": the
+# same blocks, 4-bit ones multiplied by activations rounded to 8 bits per 32 (llama.cpp's arithmetic, faster);
+# "fp32": a GGUF dequantized at load (a no-op for a directory); "int8": weight-only int8 made from the dequantized
+# weights (model/quant.py).
+QUANTIZATIONS = (None, "gguf", "gguf-q8", "fp32", "int8")
+GGUF_BLOCK_MODES = ("gguf", "gguf-q8")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -42,7 +45,9 @@ class LoadedModel:
     source: str  # the path loaded
     device: torch.device
     dtype: torch.dtype
-    quantization: str | None = None  # what was applied: "gguf", "fp32" (a GGUF dequantized), "int8" or None
+    quantization: str | None = (
+        None  # what was applied: "gguf", "gguf-q8", "fp32" (a GGUF dequantized), "int8", None
+    )
     weight_bytes: int = 0  # the weights' resident bytes (quant.weight_bytes), reported at start
 
     def describe_weights(self) -> str:
@@ -87,7 +92,8 @@ def load_model(
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
     ``quantization`` (:data:`QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
     as their blocks and computes from them (CPU, fp32 activations; the default for such a file when the C++
-    kernels are loaded), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
+    kernels are loaded), ``"gguf-q8"`` too, with the 4-bit ones' activations rounded to 8 bits per group of 32
+    (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
     for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
     ``dtype``).
     """
@@ -104,13 +110,13 @@ def load_model(
             f"model path not found: {model} (tokenmill loads local .gguf files or HF model directories)"
         )
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
-    if quantization == "gguf":
+    if quantization in GGUF_BLOCK_MODES:
         if not is_gguf:
-            raise ValueError(f"quantization='gguf' needs a .gguf file, got {path}")
+            raise ValueError(f"quantization={quantization!r} needs a .gguf file, got {path}")
         if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
             raise ValueError(
-                "quantization='gguf' runs on CPU in float32 (activations); use quantization='fp32' for "
-                f"{resolved_device.type} / {resolved_dtype}"
+                f"quantization={quantization!r} runs on CPU in float32 (activations); use quantization='fp32' "
+                f"for {resolved_device.type} / {resolved_dtype}"
             )
     if path.is_dir():
         from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
@@ -127,8 +133,8 @@ def load_model(
             quantization = "gguf"
         # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
         tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
-        if quantization == "gguf":
-            config, llama = gguf_file.load_quantized_model()
+        if quantization in GGUF_BLOCK_MODES:
+            config, llama = gguf_file.load_quantized_model(int8_activations=quantization == "gguf-q8")
         else:
             config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
     else:

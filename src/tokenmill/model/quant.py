@@ -219,6 +219,7 @@ def build_quantized_llama(
     quantized: dict[str, Groups],
     tile_rows: int,
     kernels: tuple[QuantMatmul, QuantRows] | None,
+    int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """A model whose projections, embedding and head are :class:`QuantizedLinear` / :class:`QuantizedEmbedding`
     where ``quantized`` (Hugging Face names) has them, fp32 from ``dense`` elsewhere (norms, biases, and weights
@@ -226,7 +227,8 @@ def build_quantized_llama(
 
     A fused projection takes its parts' formats side by side (q, k, v may differ, as in Q4_K_M files); if one
     part is dense, the whole projection is (its quantized parts dequantized: exact, only larger). A tied head
-    shares the embedding's quantized bytes.
+    shares the embedding's quantized bytes. ``int8_activations``: 4-bit parts in the quad layout, multiplied by
+    activations rounded to 8 bits (``gguf_blocks``); the table's lookup gives the same fp32 rows either way.
     """
     matmul, rows = kernels if kernels is not None else (None, None)
     with torch.device("meta"):
@@ -239,7 +241,9 @@ def build_quantized_llama(
         if all(n in quantized for n in names):
             biases = [n.removesuffix(".weight") + ".bias" for n in names]
             bias = torch.cat([dense.pop(b) for b in biases]) if all(b in dense for b in biases) else None
-            weight = QuantizedWeight.from_groups([quantized.pop(n) for n in names], tile_rows)
+            weight = QuantizedWeight.from_groups(
+                [quantized.pop(n) for n in names], tile_rows, int8_activations
+            )
             setattr(parent, attr, QuantizedLinear(weight, matmul, bias))
             consumed.update(names)
             consumed.update(biases if bias is not None else ())
@@ -267,13 +271,13 @@ def build_quantized_llama(
         take(layer.mlp, "down_proj", [f"{p}.mlp.down_proj.weight"])
     embed = quantized.pop("model.embed_tokens.weight", None)
     if embed is not None:
-        table = QuantizedWeight.from_groups([embed], tile_rows)
+        table = QuantizedWeight.from_groups([embed], tile_rows, int8_activations)
         model.model.embed_tokens = QuantizedEmbedding(table, rows)  # type: ignore[assignment]
         consumed.add("model.embed_tokens.weight")
         if config.tie_word_embeddings:
             model.lm_head = QuantizedLinear(table, matmul)  # type: ignore[assignment]
     if not config.tie_word_embeddings and "lm_head.weight" in quantized:
-        head = QuantizedWeight.from_groups([quantized.pop("lm_head.weight")], tile_rows)
+        head = QuantizedWeight.from_groups([quantized.pop("lm_head.weight")], tile_rows, int8_activations)
         model.lm_head = QuantizedLinear(head, matmul)  # type: ignore[assignment]
         consumed.add("lm_head.weight")
     quantized.pop("lm_head.weight", None)  # a tied checkpoint's unused copy

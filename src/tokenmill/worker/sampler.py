@@ -47,7 +47,13 @@ class Sampler:
         if not requests:
             return []
         params = [r.sampling_params for r in requests]
-        processed = logits.float().clone()  # (B, V)
+        # The edits below work in place on a copy; a batch with none of them (greedy rows, no penalties, bias,
+        # min_tokens or grammar) chooses from the logits themselves: the copy was 12 MB a step at 64 rows.
+        edited = any(
+            p.needs_penalties or p.logit_bias or r.num_output_tokens < p.min_tokens or r.grammar is not None
+            for p, r in zip(params, requests, strict=True)
+        )
+        processed = logits.float().clone() if edited else logits.float()  # (B, V)
         _apply_penalties(processed, requests)
         _apply_logit_bias(processed, params)
         _apply_min_tokens(processed, requests)

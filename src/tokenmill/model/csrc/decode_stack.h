@@ -22,7 +22,7 @@ namespace {
 
 struct LinearWeight {
   torch::Tensor weight;  // fp32 panels [N / kPanel, K, kPanel] (panel_linear.h), int8 [N, K], or quantized bytes
-  torch::Tensor scale;   // [N] fp32 for int8, int64 meta [P, 8] for quantized (quant_linear.h), else undefined
+  torch::Tensor scale;   // [N] fp32 for int8, int64 meta [P, 9] for quantized (quant_linear.h), else undefined
   QuantMatrix quant;     // parsed from weight and scale when quantized
   bool quantized() const { return weight.scalar_type() == torch::kUInt8; }
   bool panels() const { return weight.dim() == 3; }
@@ -110,10 +110,11 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [M, H] embeddings (fp32) of M decode tokens at `positions` [M]; k/v_caches one per layer; slot_mapping
-  // [M]; block_tables [M, max_blocks]; seq_lens [M] (context after this token). Writes each layer's new K/V,
-  // returns the final-normed hidden states [M, H].
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> k_caches,
+  // x [M, H] embeddings (fp32) of M decode tokens; cos/sin [M, R/2] their rotation (the eager forward's own
+  // tensors: computed once, by torch, for both paths, so a token's K and V do not depend on the path that made
+  // them); k/v_caches one per layer; slot_mapping [M]; block_tables [M, max_blocks]; seq_lens [M] (context after
+  // this token). Writes each layer's new K/V, returns the final-normed hidden states [M, H].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                         std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor seq_lens) const {
     const int64_t M = x.size(0), H = hidden_, D = head_dim_, Hq = num_heads_, Hkv = num_kv_heads_;
@@ -121,17 +122,20 @@ class DecodeStack {
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() &&
                     static_cast<int64_t>(v_caches.size()) == num_layers(),
                 "one K and one V cache per layer");
-    TORCH_CHECK(positions.numel() == M && slot_mapping.numel() == M && seq_lens.numel() == M &&
-                    block_tables.dim() == 2 && block_tables.size(0) == M,
-                "one position, slot, table and length per row");
-    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
-                    block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+    const int64_t half = inv_freq_.numel(), R = 2 * half;
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.dim() == 2 &&
+                    cos.size(0) == M && cos.size(1) == half && sin.sizes() == cos.sizes(),
+                "cos/sin: float32 [M, R/2]");
+    TORCH_CHECK(slot_mapping.numel() == M && seq_lens.numel() == M && block_tables.dim() == 2 &&
+                    block_tables.size(0) == M,
+                "one slot, table and length per row");
+    TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64 &&
+                    seq_lens.scalar_type() == torch::kInt64,
                 "int64 indices");
-    auto pos_t = positions.contiguous();
+    auto cos_t = cos.contiguous(), sin_t = sin.contiguous();
     auto slots_t = slot_mapping.contiguous();
     auto tables_t = block_tables.contiguous();
     auto lens_t = seq_lens.contiguous();
-    const int64_t* pos = pos_t.data_ptr<int64_t>();
     const int64_t* slots = slots_t.data_ptr<int64_t>();
     const int64_t* lens = lens_t.data_ptr<int64_t>();
     const int64_t max_blocks = tables_t.size(1);
@@ -143,16 +147,8 @@ class DecodeStack {
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(lens[m] > 0 && lens[m] <= max_blocks * block_size, "seq_len out of range");
 
-    // cos/sin [M, R/2], in float32 as LlamaForCausalLM._rope_cos_sin computes them
-    const int64_t half = inv_freq_.numel(), R = 2 * half;
-    std::vector<float> cos_v(M * half), sin_v(M * half);
-    const float* inv_freq = inv_freq_.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(pos[m]) * inv_freq[i];
-        cos_v[m * half + i] = std::cos(angle);
-        sin_v[m * half + i] = std::sin(angle);
-      }
+    const float* cos_p = cos_t.data_ptr<float>();
+    const float* sin_p = sin_t.data_ptr<float>();
 
     const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
     int64_t max_inter = 0;
@@ -188,7 +184,7 @@ class DecodeStack {
           rms_norm_heads_(row + q_size, Hkv, D, L.k_norm.data_ptr<float>(), eps_);
         }
         // q and k heads are adjacent: rotate them in place
-        rope_heads(row, row, Hq + Hkv, D, R, cos_v.data() + m * half, sin_v.data() + m * half);
+        rope_heads(row, row, Hq + Hkv, D, R, cos_p + m * half, sin_p + m * half);
         TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "slot out of range");
         std::copy(row + q_size, row + q_size + kv_size, kp + slots[m] * kv_size);
         std::copy(row + q_size + kv_size, row + qkv_size, vp + slots[m] * kv_size);

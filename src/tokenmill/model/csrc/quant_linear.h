@@ -17,8 +17,9 @@
 // tile stores, per group, the kPanel scales, the kPanel mins (if any), then for each input of the group the
 // kPanel codes (4-bit: byte i holds row i low and row i + kPanel/2 high). Expanding one input's codes is then
 // one panel row of panel_linear: two vectors of weights, with no transpose. A matrix is one or more parts
-// stacked along N (a fused qkv whose v is Q6_K and q, k Q4_K), each with its own format: `meta` [P, 8] int64
-// rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows).
+// stacked along N (a fused qkv whose v is Q6_K and q, k Q4_K), each with its own format: `meta` [P, 9] int64
+// rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows, layout). Layout 0 is the one
+// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below).
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps) multiply the weights as they are expanded in registers, an outer
@@ -252,6 +253,125 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
     for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile + g * F::kGroupBytes, d, row);
 }
 
+// The 4-bit format in its quad layout (meta layout 1), for 8-bit activations: per group, the kPanel scales and
+// mins, then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4 (low nibble) and
+// row kPanel / 2 + j / 4 (high nibble) at input 4u + j % 4. One load and two masks give simd::qdot its operands.
+struct Q4Quad {
+  static constexpr int kGroup = 32;
+  static constexpr int64_t kHead = 2 * kPanel * 4;
+  static constexpr int64_t kQuadBytes = 2 * kPanel;
+  static constexpr int64_t kGroupBytes = kHead + 8 * kQuadBytes;
+  static void prefetch(const uint8_t* g) {
+    for (int64_t off = 0; off < kGroupBytes; off += 64) simd::prefetch_l2(g + kQPrefetchBytes + off);
+  }
+  static float weight(const uint8_t* g, int64_t d, int64_t r) {  // as Fmt::weight: the same fp32 value
+    const float* f = reinterpret_cast<const float*>(g);
+    const int64_t half = kPanel / 2;
+    const uint8_t byte = g[kHead + (d / 4) * kQuadBytes + 4 * (r % half) + d % 4];
+    const float q = static_cast<float>(r < half ? byte & 15 : byte >> 4);
+    return std::fma(q, f[r], f[kPanel + r]);
+  }
+};
+
+// Activations rounded to 8 bits per group of 32 inputs (llama.cpp's Q8_1 arithmetic): for each row, codes [K] in
+// [-127, 127], and per group its scale s = max|x| / 127 (x ~ code * s) and s * (sum of its codes), for the mins.
+struct Q8Acts {
+  const int8_t* q;
+  const float* scale;
+  const float* scaled_sum;
+  int64_t K, G;
+};
+
+// x [M, K] -> codes, scales and scaled sums: code = round_to_even(x * (1 / s)), 0 for an all-zero group.
+inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* scaled_sum) {
+  using namespace simd;
+  const int64_t G = K / Q4Quad::kGroup;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = x + m * K + g * Q4Quad::kGroup;
+        Vec amax = zero();
+        for (int v = 0; v < Q4Quad::kGroup; v += kLanes) amax = max(amax, vabs(load(p + v)));
+        const float a = reduce_max(amax), s = a / 127.f, inv = a > 0.f ? 1.f / s : 0.f;
+        Vec sum = zero();
+        for (int v = 0; v < Q4Quad::kGroup; v += kLanes) {
+          const Vec r = min(max(round_nearest(mul(load(p + v), set1(inv))), set1(-127.f)), set1(127.f));
+          sum = add(sum, r);  // integers below 2^12: exact in any order
+          store_i8(q + m * K + g * Q4Quad::kGroup + v, r);
+        }
+        scale[m * G + g] = s;
+        scaled_sum[m * G + g] = s * reduce_add(sum);
+      }
+  });
+}
+
+// Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
+constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
+
+// c[r][0:ncols] for rows m .. m + R - 1 of the activations times one quad-layout tile: per group, the integer
+// dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
+template <int R>
+inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, int64_t ldc, int64_t ncols) {
+  using namespace simd;
+  Vec f0[R], f1[R];
+  for (int r = 0; r < R; ++r) f0[r] = f1[r] = zero();
+  for (int64_t g = 0; g < x.G; ++g) {
+    const uint8_t* grp = tile + g * Q4Quad::kGroupBytes;
+    Q4Quad::prefetch(grp);
+    const uint8_t* quads = grp + Q4Quad::kHead;
+    const int8_t* xg = x.q + m * x.K + g * Q4Quad::kGroup;
+    QAcc a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = qacc_zero();
+#pragma GCC unroll 2
+    for (int u = 0; u < 8; ++u) {
+      QVec w0, w1;
+      q4_quad(quads + u * Q4Quad::kQuadBytes, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const QVec xv = x_quad(xg + r * x.K + 4 * u);
+        a0[r] = qdot(a0[r], w0, xv);
+        a1[r] = qdot(a1[r], w1, xv);
+      }
+    }
+    const float* f = reinterpret_cast<const float*>(grp);
+    const Vec s0 = load(f), s1 = load(f + kLanes), mn0 = load(f + kPanel), mn1 = load(f + kPanel + kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xs = set1(x.scale[(m + r) * x.G + g]), xm = set1(x.scaled_sum[(m + r) * x.G + g]);
+      f0[r] = fmadd(mn0, xm, fmadd(qacc_to_float(a0[r]), mul(s0, xs), f0[r]));
+      f1[r] = fmadd(mn1, xm, fmadd(qacc_to_float(a1[r]), mul(s1, xs), f1[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (ncols == kPanel) {
+      store(c + r * ldc, f0[r]), store(c + r * ldc + kLanes, f1[r]);
+    } else {
+      const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
+      store_n(c + r * ldc, f0[r], n0), store_n(c + r * ldc + kLanes, f1[r], n1);
+    }
+  }
+}
+
+template <int R>
+inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, int64_t ldc,
+                       int64_t ncols) {
+  if constexpr (R >= 1) {
+    if (rows == R) return q8_block<R>(x, m, tile, c, ldc, ncols);
+    q8_block_n<R - 1>(rows, x, m, tile, c, ldc, ncols);
+  }
+}
+
+// Rows [m0, m1) times one quad-layout tile, in near-equal register blocks; every row count takes the same
+// arithmetic (an output's value does not depend on the batch it came in).
+inline void q8_rows(const Q8Acts& x, int64_t m0, int64_t m1, const uint8_t* tile, float* y, int64_t ldy,
+                    int64_t ncols) {
+  const int64_t num_chunks = (m1 - m0 + kQ8Rows - 1) / kQ8Rows;
+  int64_t m = m0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t rows = (m1 - m) / (num_chunks - c);
+    q8_block_n<kQ8Rows>(static_cast<int>(rows), x, m, tile, y + m * ldy, ldy, ncols);
+    m += rows;
+  }
+}
+
 using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, float*,
                             float*, int64_t, int64_t);
 using TileWeightsFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
@@ -263,12 +383,14 @@ struct QuantPart {
   TileRowsFn tile_rows = nullptr;
   TileWeightsFn tile_weights = nullptr;
   ExpandPanelFn expand_panel = nullptr;
+  bool q8 = false;  // quad layout: multiplied by the activations rounded to 8 bits (q8_rows)
 };
 
 struct QuantMatrix {
   std::vector<QuantPart> parts;
   std::vector<int64_t> first_tile;  // per part, its first tile's global index; then the total
   int64_t n = 0, k = 0;
+  bool has_q8 = false;
   int64_t num_tiles() const { return first_tile.back(); }
 };
 
@@ -281,18 +403,19 @@ inline void set_format(QuantPart& p) {
   p.tile_bytes = p.num_groups * F::kGroupBytes;
 }
 
-// data: uint8 [bytes]; meta: int64 [P, 8] as described at the top. Checks every part against the buffer.
+// data: uint8 [bytes]; meta: int64 [P, 9] as described at the top. Checks every part against the buffer.
 inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Tensor& meta) {
   TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.dim() == 1 && data.is_contiguous() && !data.is_cuda(),
               "quantized weight data: contiguous uint8 CPU [bytes]");
-  TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.dim() == 2 && meta.size(1) == 8 && meta.size(0) > 0,
-              "quantized weight meta: int64 [P, 8]");
+  TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.dim() == 2 && meta.size(1) == 9 && meta.size(0) > 0,
+              "quantized weight meta: int64 [P, 9]");
   auto mt = meta.contiguous();
   const int64_t* m = mt.data_ptr<int64_t>();
   QuantMatrix q;
   q.first_tile.push_back(0);
-  for (int64_t i = 0; i < mt.size(0); ++i, m += 8) {
+  for (int64_t i = 0; i < mt.size(0); ++i, m += 9) {
     const int64_t offset = m[0], rows = m[1], k = m[2], bits = m[3], group = m[4], has_min = m[5], col = m[6];
+    const int64_t layout = m[8];
     TORCH_CHECK(m[7] == kPanel, "part ", i, " was packed in tiles of ", m[7], " rows; this kernel build takes ",
                 kPanel, " (pack with the loaded variant's panel_width)");
     TORCH_CHECK(rows > 0 && k > 0 && group > 0 && k % group == 0, "part ", i, ": rows and K a multiple of group");
@@ -301,7 +424,13 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     QuantPart p;
     p.rows = rows, p.col = col, p.num_groups = k / group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
-    if (bits == 4 && group == 32 && has_min)
+    TORCH_CHECK(layout == 0 || (layout == 1 && bits == 4 && group == 32 && has_min), "part ", i, ": layout ",
+                layout, " (0: input-major; 1: quads, 4-bit groups of 32 with a min only)");
+    if (layout == 1) {
+      p.q8 = true, q.has_q8 = true;
+      p.tile_weights = &tile_weights<Q4Quad>;
+      p.tile_bytes = p.num_groups * Q4Quad::kGroupBytes;
+    } else if (bits == 4 && group == 32 && has_min)
       set_format<4, 32, true>(p);
     else if (bits == 8 && group == 32 && !has_min)
       set_format<8, 32, false>(p);
@@ -323,6 +452,43 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
 
 }  // namespace
 
+// quant_linear_raw for a matrix with quad-layout parts: the activations rounded to 8 bits once (buffers kept
+// across calls: a prefill's are megabytes), then every tile by its part's path (a Q6_K part of a fused matrix stays
+// exact), rows in blocks of ~256 KB of codes.
+inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, const float* xsum, float* y) {
+  const int64_t K = w.k, N = w.n, G = K / Q4Quad::kGroup;
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> scales, scaled_sums;
+  if (codes.size() < size_t(M * K)) codes.resize(M * K);
+  if (scales.size() < size_t(M * G)) scales.resize(M * G), scaled_sums.resize(M * G);
+  quantize_acts(x, M, K, codes.data(), scales.data(), scaled_sums.data());
+  const Q8Acts acts{codes.data(), scales.data(), scaled_sums.data(), K, G};
+  const int64_t block_rows = std::max<int64_t>(kQ8Rows, kPanelRowBlockBytes / K / kQ8Rows * kQ8Rows);
+  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> panel;  // an expanded tile of an exact part, for more than kQFusedRows rows
+    size_t p0 = static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t0) -
+                                    w.first_tile.begin() - 1);
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m1 = std::min(M, m0 + block_rows);
+      size_t p = p0;
+      for (int64_t t = t0; t < t1; ++t) {
+        while (t >= w.first_tile[p + 1]) ++p;
+        const QuantPart& part = w.parts[p];
+        const int64_t local = t - w.first_tile[p];
+        const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
+        const uint8_t* tile = part.data + local * part.tile_bytes;
+        if (part.q8) {
+          q8_rows(acts, m0, m1, tile, y + part.col + local * kPanel, N, ncols);
+        } else {
+          if (M > kQFusedRows && panel.empty()) panel.resize(K * kPanel);
+          part.tile_rows(x, xsum, m0, m1, K, tile, part.num_groups, panel.data(), y + part.col + local * kPanel, N,
+                         ncols);
+        }
+      }
+    }
+  });
+}
+
 // y [M, N] = x [M, K] @ W^T for a parsed quantized W; x and y contiguous.
 inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, float* y) {
   if (M == 0) return;
@@ -335,6 +501,10 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
     float acc = 0.f;
     for (int64_t k = g * kMinGroup; k < int64_t(g + 1) * kMinGroup; ++k) acc += x[k];
     xsum[g] = acc;
+  }
+  if (w.has_q8) {
+    quant_linear_q8(x, M, w, xsum.data(), y);
+    return;
   }
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     auto part_of = [&](int64_t t) {
@@ -381,7 +551,7 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
 
 inline int64_t quant_tile_rows() { return kPanel; }
 
-// x [M, K] fp32; data uint8 [bytes]; meta int64 [P, 8] -> y [M, N] fp32 (N: the parts' rows together).
+// x [M, K] fp32; data uint8 [bytes]; meta int64 [P, 9] -> y [M, N] fp32 (N: the parts' rows together).
 inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, torch::Tensor meta) {
   const QuantMatrix w = parse_quant_matrix(data, meta);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && !x.is_cuda(), "x: fp32 CPU [M, K]");

@@ -2,10 +2,10 @@
 // register blocks, prefetch) are written once in terms of `Vec` and `kLanes`; setup.py compiles them once per
 // variant, and the compiler flags of that variant pick the body here:
 //
-//   variant  flags                                  kLanes  registers  int8 dot product
-//   avx512   -mavx512f/bw/vl/dq/vnni -mavx2 -mfma      16      32       vpdpwssd (VNNI)
-//   avx2     -mavx2 -mfma -mf16c                        8      16       vpmaddwd + vpaddd
-//   base     none (portable C++: any CPU, ARM too)      4      16       plain loops
+//   variant  flags                                  kLanes  registers  int16 dot      u8 x s8 dot
+//   avx512   -mavx512f/bw/vl/dq/vnni -mavx2 -mfma      16      32       vpdpwssd       vpdpbusd (VNNI)
+//   avx2     -mavx2 -mfma -mf16c                        8      16       vpmaddwd       vpmaddubsw + vpmaddwd
+//   base     none (portable C++: any CPU, ARM too)      4      16       plain loops    plain loops
 //
 // base's Vec is a GCC/Clang vector of 4 floats, which the compiler maps onto SSE2 or NEON registers. A new
 // instruction set is a new body of these few functions, not a new kernel.
@@ -93,6 +93,30 @@ inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
 
+// 8-bit activations times 4-bit codes (quant_linear.h's int8-activation path). A QVec holds 4 * kLanes bytes: four
+// consecutive inputs for each of kLanes outputs; qdot adds each output's four products of unsigned codes and
+// signed activations into its int32 lane (VNNI vpdpbusd).
+using QVec = __m512i;
+using QAcc = __m512i;  // kLanes int32 sums
+inline QAcc qacc_zero() { return _mm512_setzero_si512(); }
+inline void q4_quad(const uint8_t* p, QVec& lo, QVec& hi) {  // 4 * kLanes bytes' low and high nibbles
+  const __m512i b = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
+  lo = _mm512_and_si512(b, m);
+  hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
+}
+inline QVec x_quad(const int8_t* p) {  // four activations, in every output's lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return _mm512_dpbusd_epi32(acc, codes, x); }
+inline Vec qacc_to_float(QAcc a) { return _mm512_cvtepi32_ps(a); }
+inline Vec vabs(Vec a) { return _mm512_abs_ps(a); }
+// kLanes integral floats in [-127, 127] as int8
+inline void store_i8(int8_t* p, Vec a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a)));
+}
+
 #elif defined(TOKENMILL_AVX2)
 inline constexpr const char* kIsa = "avx2";
 inline constexpr int kLanes = 8;
@@ -161,6 +185,31 @@ inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+// 8-bit activations times 4-bit codes, as on AVX-512 but without VNNI: vpmaddubsw adds pairs of products into
+// int16 lanes (2c, 2c+1 for output c), added up in int16 for at most 8 quads (a group of 32 inputs:
+// 8 * 2 * 15 * 127 = 30,480 < 2^15, no saturation), then vpmaddwd by ones joins each output's two lanes.
+using QVec = __m256i;
+using QAcc = __m256i;  // 2 * kLanes int16 sums
+inline QAcc qacc_zero() { return _mm256_setzero_si256(); }
+inline void q4_quad(const uint8_t* p, QVec& lo, QVec& hi) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(15);
+  lo = _mm256_and_si256(b, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+inline QVec x_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, x)); }
+inline Vec qacc_to_float(QAcc a) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a, _mm256_set1_epi16(1))); }
+inline Vec vabs(Vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline void store_i8(int8_t* p, Vec a) {
+  const __m256i i = _mm256_cvtps_epi32(a);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));  // 8 int16
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
 }
 
 #else  // base: portable C++ (GCC/Clang vector extensions), no intrinsics
@@ -255,6 +304,36 @@ inline Vec i8_to_float(const uint8_t* p) {
 }
 inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
   for (int i = 0; i < kLanes; ++i) lo[i] = static_cast<float>(p[i] & 15), hi[i] = static_cast<float>(p[i] >> 4);
+}
+
+// 8-bit activations times 4-bit codes in plain loops: the same int32 sums as the x86 bodies.
+typedef uint8_t QVec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t QAcc __attribute__((vector_size(4 * kLanes)));
+inline QAcc qacc_zero() { return QAcc{}; }
+inline void q4_quad(const uint8_t* p, QVec& lo, QVec& hi) {
+  for (int i = 0; i < 4 * kLanes; ++i) lo[i] = p[i] & 15, hi[i] = p[i] >> 4;
+}
+inline QVec x_quad(const int8_t* p) {
+  QVec r;
+  for (int i = 0; i < 4 * kLanes; ++i) r[i] = static_cast<uint8_t>(p[i % 4]);
+  return r;
+}
+inline QAcc qdot(QAcc acc, QVec codes, QVec x) {
+  for (int c = 0; c < kLanes; ++c)
+    for (int i = 0; i < 4; ++i) acc[c] += int32_t(codes[4 * c + i]) * int32_t(static_cast<int8_t>(x[4 * c + i]));
+  return acc;
+}
+inline Vec qacc_to_float(QAcc a) {
+  Vec r;
+  for (int c = 0; c < kLanes; ++c) r[c] = static_cast<float>(a[c]);
+  return r;
+}
+inline Vec vabs(Vec a) {
+  for (int i = 0; i < kLanes; ++i) a[i] = std::fabs(a[i]);
+  return a;
+}
+inline void store_i8(int8_t* p, Vec a) {
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(a[i]);
 }
 #endif
 

@@ -1,0 +1,80 @@
+"""The embedded model with ``quantization="gguf-q8"``: its Q4_1 blocks multiplied by activations rounded to 8 bits
+per group of 32 (the kernel itself is pinned against float64 in tests/unit/test_gguf_blocks.py). Here: the same
+bytes as the exact path, close to it in distribution, and greedy tokens that depend neither on the batch nor on a
+preemption (rounding turns any fp32 difference between two paths into a whole step, so the decode stack and the
+eager forward must agree bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_vs_hf import PROMPTS, PagedRunner
+
+from tokenmill.engine import Engine
+from tokenmill.model.quant import QuantizedLinear
+from tokenmill.sampling_params import SamplingParams
+
+
+def test_same_bytes_as_the_exact_path(embedded_q8, embedded_loaded) -> None:
+    assert embedded_q8.quantization == "gguf-q8"
+    assert embedded_q8.weight_bytes == embedded_loaded.weight_bytes
+    q8_modules, exact_modules = (
+        dict(embedded_q8.model.named_modules()),
+        dict(embedded_loaded.model.named_modules()),
+    )
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        proj = q8_modules[f"model.layers.0.{name}"]
+        assert isinstance(proj, QuantizedLinear)
+        assert set(proj.weight.type_summary().split("+")) == {"4bit/g32/x8"}  # q, k, v parts: all quads
+        assert torch.equal(
+            proj.weight.dequantize(), exact_modules[f"model.layers.0.{name}"].weight.dequantize()
+        )
+    assert embedded_q8.model.lm_head.weight.type_summary() == "8bit/g32"  # Q8_0: no quad layout, exact
+    assert embedded_q8.model.decode_stack is not None
+
+
+def _logits(loaded, prompts):
+    runner = PagedRunner(loaded.model, loaded.config, num_blocks=64, block_size=4)
+    prefill = runner.step(dict(enumerate(prompts)))  # one flat batch of four prompts
+    decode = runner.step({i: [int(t)] for i, t in enumerate(prefill.argmax(-1))})  # the decode stack
+    return prefill, decode
+
+
+def test_distribution_close_to_the_exact_path(embedded_q8, embedded_loaded) -> None:
+    """Measured here: KL(exact || q8) at most 0.009 nats, the same argmax at every position."""
+    prompts = [embedded_loaded.tokenizer.encode(p) for p in PROMPTS]
+    for exact, q8 in zip(_logits(embedded_loaded, prompts), _logits(embedded_q8, prompts), strict=True):
+        p, q = exact.log_softmax(-1), q8.log_softmax(-1)
+        assert (p.exp() * (p - q)).sum(-1).max() < 0.05
+        assert (exact.argmax(-1) == q8.argmax(-1)).sum() >= 3
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-q8"])
+def test_decode_stack_equals_the_eager_forward_bit_for_bit(
+    embedded_loaded, embedded_q8, quantization
+) -> None:
+    loaded = {"gguf": embedded_loaded, "gguf-q8": embedded_q8}[quantization]
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    _, with_stack = _logits(loaded, prompts)
+    stack, loaded.model.decode_stack = loaded.model.decode_stack, None
+    try:
+        _, eager = _logits(loaded, prompts)
+    finally:
+        loaded.model.decode_stack = stack
+    assert torch.equal(with_stack, eager)
+
+
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_greedy_tokens_depend_neither_on_the_batch_nor_on_preemption(embedded_q8, chunk) -> None:
+    prompts = [embedded_q8.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = Engine(loaded=embedded_q8, device="cpu", block_size=16, num_kv_blocks=256)
+    together = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    alone = [roomy.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    tight = Engine(
+        loaded=embedded_q8, device="cpu", block_size=4, num_kv_blocks=20, max_num_batched_tokens=chunk
+    )
+    preempted = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.stats.num_preemptions > 0
+    assert tight.num_free_blocks == tight.num_total_blocks
+    assert together == alone == preempted
