@@ -119,8 +119,11 @@ _PATHS = (
     "panel_linear",
     "small_linear_int8",
     "quant_linear_gguf",
+    "quant_linear_gguf_q8",
     "decode_stack",
 )
+# the integer dot product of each variant's 8-bit-activation path (simd::qdot)
+_Q8_DOT = {"avx512": "vpdpbusd", "avx2": "vpmaddubsw + vpmaddwd", "base": "plain loops"}
 # The CPU flags `tokenmill info` reports: the ones a variant needs, and a few that say what a CPU could add
 _REPORTED_FLAGS = kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}
 
@@ -142,6 +145,7 @@ def fast_paths() -> dict[str, str]:
         "panel_linear": matmul,
         "small_linear_int8": matmul,
         "quant_linear_gguf": "on",
+        "quant_linear_gguf_q8": f"on ({_Q8_DOT.get(state.variant or '', 'integer dot products')})",
         "decode_stack": matmul,
     }
 
