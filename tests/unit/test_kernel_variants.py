@@ -90,7 +90,13 @@ print(json.dumps({{"variant": state.variant, "modules": sorted(m for m in sys.mo
 def test_an_avx2_cpu_never_imports_the_avx512_build() -> None:
     got = _loaded_in_subprocess(ZEN3)
     assert got["variant"] == "avx2" and got["modules"] == ["tokenmill._C_avx2"]
-    assert set(got["paths"].values()) <= {"on", "on (head sizes divisible by 16)"}  # type: ignore[union-attr]
+    paths = got["paths"]
+    assert set(paths.values()) <= {  # type: ignore[union-attr]
+        "on",
+        "on (head sizes divisible by 16)",
+        "on (vpmaddubsw + vpmaddwd)",  # gguf-q8's integer dot products without VNNI
+    }
+    assert paths["quant_linear_gguf_q8"] == "on (vpmaddubsw + vpmaddwd)"  # type: ignore[index]
 
 
 def test_the_cap_and_the_off_switch() -> None:
