@@ -25,7 +25,9 @@
 // Up to kQFusedRows rows of x (decode steps) multiply the weights as they are expanded in registers, an outer
 // product per input; more rows (prefill) expand each tile into an fp32 panel and run panel_linear's
 // register-blocked kernel over it: once per call when the rows are more than one ~256 KB block of x (the
-// thread's panels then stream from cache as panel_linear's do from memory), else once per block.
+// thread's panels then stream from cache as panel_linear's do from memory), else once per block. A matrix with
+// quad-layout parts (quantization="gguf-q8") goes through quant_linear_q8: x rounded to 8 bits once, every row
+// count through the same integer-dot-product blocks (q8_rows).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
