@@ -1,6 +1,6 @@
 """What weight-only int8 costs in quality: the embedded model in fp32 next to the same model with int8 weights.
 
-    python benchmarks/int8_quality.py [--tokens 32] [--threads N]
+    python benchmarks/int8_quality.py [--tokens 32] [--threads N] [--gguf-q8] [--bf16]
 
 1. Greedy agreement: 16 varied prompts (half through the chat template, half as raw text), ``--tokens``
    greedy tokens each with EOS ignored. Reported: the fraction of prompts whose continuations are

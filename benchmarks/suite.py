@@ -162,7 +162,7 @@ class Suite:
         caching = {"enable_prefix_caching": getattr(self.args, "enable_prefix_caching", True)}
         tm = TokenmillRunner(self.device, self.dtype, self.num_threads, model=model, **caching)
         out.append((self._with_bytes(tm, wb, wb), self.args.case_list))
-        q8_cases = [c for c in self.args.case_list if c in getattr(self.args, "q8_case_list", [])]
+        q8_cases = [c for c in self.args.case_list if c in self.args.q8_case_list]
         if q8_cases and self.device == "cpu":  # the GGUF blocks' kernels are CPU-only
             q8 = TokenmillRunner(
                 self.device, self.dtype, self.num_threads, quantization="gguf-q8", model=model, **caching

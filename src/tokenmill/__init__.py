@@ -7,11 +7,11 @@ import os
 # cores, a [4, 576] x [576, 3072] matmul took 24 ms instead of 0.7 ms. Not spinning (OMP_WAIT_POLICY=PASSIVE)
 # costs a wake-up per region, ~90 us under KVM here: single-stream decode ran 4x slower. The spin has to outlast
 # the waits inside a step (a thread done with its half of a matmul waits for the other): 4,000 spins (~45 us at
-# the 11 ns a pause-spin takes on the KVM Xeon of 2026-12-01) against the 1,000 (~11 us) used before: fp32
-# single-stream decode 22.4 -> 18.7 ms per token, case (b) 21 -> 20 s; next to a process spinning on one of the
-# two cores, decode of 64 tokens 0.90 s at 1,000 spins, 1.2-1.5 s at 2,000-4,000, 2.3 s at 10,000. Measured in
-# benchmarks/README.md. Only takes effect if tokenmill is imported before torch starts its thread pool, and
-# never overrides the user's OMP_WAIT_POLICY or GOMP_SPINCOUNT.
+# the 11 ns a pause-spin takes on the KVM Xeon of 2026-12-01) against the 1,000 (~11 us) used before: the fp32
+# single-stream decode stack 18.2-19.3 -> 15.6-15.9 ms per step, case (b) 20.7-21.1 -> 19.8-20.2 s; next to a
+# process spinning on one of the two cores, 64 decode tokens took 0.90 s at 1,000 spins, 1.16-1.46 s at
+# 2,000-4,000, 2.30 s at 10,000. Measured in benchmarks/README.md. Only takes effect if tokenmill is imported
+# before torch starts its thread pool, and never overrides the user's OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "4000"
 # Large CPU tensors (the KV cache, packed weights) on 2 MB transparent huge pages (torch's allocator reads this

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from tokenmill.config import QUANTIZATIONS
 from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
 
 
@@ -140,9 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument(
         "--model", default=None, help="the model to load (implies --load; default: the embedded one)"
     )
-    info.add_argument(
-        "--quantization", default=None, choices=["gguf", "gguf-q8", "fp32", "int8"], help="implies --load"
-    )
+    info.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="implies --load")
     info.set_defaults(func=_run_info)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

@@ -12,6 +12,12 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 # ... and offline (LLM), where only throughput counts, as vLLM gives its LLM class a larger budget than its
 # server. Case (b) of the suite on 2 AVX2 cores: 20.4 s at 512, 19.3 s at 1,024 and 2,048, 20.2 s at 4,096.
 OFFLINE_BATCHED_TOKENS = 2048
+# EngineConfig.quantization (model/loader.py applies it). None: "gguf" for a quantized GGUF on CPU in fp32 with
+# the C++ kernels, else the weights in the dtype; "gguf": GGUF blocks kept quantized (model/gguf_blocks.py), fp32
+# arithmetic on their exact values; "gguf-q8": the same blocks, 4-bit ones multiplied by activations rounded to 8
+# bits per 32 (llama.cpp's arithmetic, faster); "fp32": a GGUF dequantized at load (a no-op for a directory);
+# "int8": weight-only int8 made from the dequantized weights (model/quant.py).
+QUANTIZATIONS = ("gguf", "gguf-q8", "fp32", "int8")
 _RESERVE_CHOICES = ("none", "worst_case")
 
 
@@ -107,9 +113,9 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size > 1 runs on fp32 weights; quantization={self.quantization!r} is not split"
             )
-        if self.quantization not in (None, "gguf", "gguf-q8", "fp32", "int8"):
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be one of None, gguf, gguf-q8, fp32, int8, got {self.quantization!r}"
+                f"quantization must be one of None, {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import QUANTIZATIONS, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["gguf", "gguf-q8", "fp32", "int8"],
+        choices=QUANTIZATIONS,
         help="gguf: compute from a GGUF's quantized blocks (the default for one on CPU); gguf-q8: the same, 4-bit "
         "blocks times activations rounded to 8 bits (llama.cpp's arithmetic, faster); fp32: dequantize them "
         "at load; int8: weight-only int8 from the fp32 weights",

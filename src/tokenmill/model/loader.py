@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.config import QUANTIZATIONS
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.embedded import embedded_model_path
 from tokenmill.model.llama import LlamaForCausalLM
@@ -20,13 +21,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
-# None: "gguf" for a quantized GGUF on CPU in fp32 with the C++ kernels, else the weights in ``dtype``;
-# "gguf": GGUF blocks kept quantized (model/gguf_blocks.py), fp32 arithmetic on their exact values; "gguf-q8": the
-# same blocks, 4-bit ones multiplied by activations rounded to 8 bits per 32 (llama.cpp's arithmetic, faster);
-# "fp32": a GGUF dequantized at load (a no-op for a directory); "int8": weight-only int8 made from the dequantized
-# weights (model/quant.py).
-QUANTIZATIONS = (None, "gguf", "gguf-q8", "fp32", "int8")
-GGUF_BLOCK_MODES = ("gguf", "gguf-q8")
+GGUF_BLOCK_MODES = ("gguf", "gguf-q8")  # of tokenmill.config.QUANTIZATIONS: the blocks kept as they are
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -90,7 +85,7 @@ def load_model(
     """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file or an HF directory.
 
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
-    ``quantization`` (:data:`QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
+    ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
     as their blocks and computes from them (CPU, fp32 activations; the default for such a file when the C++
     kernels are loaded), ``"gguf-q8"`` too, with the 4-bit ones' activations rounded to 8 bits per group of 32
     (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
@@ -99,9 +94,9 @@ def load_model(
     """
     from tokenmill.tokenizer import Tokenizer
 
-    if quantization not in QUANTIZATIONS:
+    if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
-            f"quantization must be one of {', '.join(str(q) for q in QUANTIZATIONS)}, got {quantization!r}"
+            f"quantization must be one of None, {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
     path = embedded_model_path() if model is None else Path(model).expanduser()

@@ -33,6 +33,17 @@ constexpr int64_t kPanelPrefetchBytes = 16384;
 // 40 to 220 rows measured alike (within 5%) on an AVX-512 Xeon with 2 MB of L2; all 1,024 rows at once, 8% slower.
 constexpr int64_t kPanelRowBlockBytes = 256 * 1024;
 
+// One output row of a panel's width: the two vectors lo, hi at c[0:kPanel], or their first ncols lanes.
+inline void store_panel_row(float* c, simd::Vec lo, simd::Vec hi, int64_t ncols) {
+  using namespace simd;
+  if (ncols == kPanel) {
+    store(c, lo), store(c + kLanes, hi);
+  } else {
+    const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes));
+    store_n(c, lo, n0), store_n(c + kLanes, hi, static_cast<int>(ncols) - n0);
+  }
+}
+
 // c[r][0:ncols] = sum_d a[r * lda + d] * b[d * ldb + 0:kPanel] for r < R: one register block of an
 // outer-product matmul (b is a panel; ncols <= kPanel of it are stored). kPrefetch: also prefetch b 16 KB ahead
 // into L2, for panels read from memory (panel_linear); attention_prefill.h uses it on panels already in cache.
@@ -52,12 +63,7 @@ inline void panel_block(const float* a, int64_t lda, const float* b, int64_t ldb
       hi[r] = fmadd(x, w1, hi[r]);
     }
   }
-  if (ncols == kPanel) {
-    for (int r = 0; r < R; ++r) store(c + r * ldc, lo[r]), store(c + r * ldc + kLanes, hi[r]);
-  } else {
-    const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
-    for (int r = 0; r < R; ++r) store_n(c + r * ldc, lo[r], n0), store_n(c + r * ldc + kLanes, hi[r], n1);
-  }
+  for (int r = 0; r < R; ++r) store_panel_row(c + r * ldc, lo[r], hi[r], ncols);
 }
 
 // panel_block for a run-time number of rows, 1 <= rows <= R

@@ -52,6 +52,11 @@ constexpr int64_t kMinGroup = 32;
 // LM head's 113 MB would not fit: it goes tile by tile, each tile once per block of rows).
 constexpr int64_t kQExpandOnceBytes = 16 << 20;  // the group size of every format with a min
 
+// Every cache line of a group's `bytes`, kQPrefetchBytes ahead, into L2.
+inline void prefetch_group(const uint8_t* g, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) simd::prefetch_l2(g + kQPrefetchBytes + off);
+}
+
 // A group's format at compile time: its bytes per tile, where the codes of input d start, and the expansion of
 // one input's kPanel codes into two vectors of weights (rows 0..kLanes-1, kLanes..kPanel-1).
 template <int Bits, int Group, bool kMin>
@@ -95,9 +100,7 @@ struct Fmt {
       q0 = i8_to_float(c), q1 = i8_to_float(c + kLanes);
   }
   static constexpr bool kHasMin = kMin;
-  static void prefetch(const uint8_t* g) {
-    for (int64_t off = 0; off < kGroupBytes; off += 64) simd::prefetch_l2(g + kQPrefetchBytes + off);
-  }
+  static void prefetch(const uint8_t* g) { prefetch_group(g, kGroupBytes); }
   static_assert(!kMin || Group == kMinGroup, "the one-row path sums x over groups of kMinGroup");
   // the weight of tile row r (< kPanel) at input d, as a scalar: the embedding lookup's path
   static float weight(const uint8_t* g, int64_t d, int64_t r) {
@@ -146,12 +149,7 @@ inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, in
       acc1 = fmadd(xs, load(f + kPanel + kLanes), acc1);
     }
   }
-  if (ncols == kPanel) {
-    store(c, acc0), store(c + kLanes, acc1);
-  } else {
-    const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
-    store_n(c, acc0, n0), store_n(c + kLanes, acc1, n1);
-  }
+  store_panel_row(c, acc0, acc1, ncols);
 }
 
 // c[i][0:ncols] = x row i . every row of the tile, for i < R: the tile expanded in registers, once per input for
@@ -183,12 +181,7 @@ inline void fused_block(const float* x, int64_t lda, const uint8_t* tile, int64_
   }
   for (int r = 0; r < R; ++r) {
     for (int s = 1; s < S; ++s) lo[r][0] = add(lo[r][0], lo[r][s]), hi[r][0] = add(hi[r][0], hi[r][s]);
-    if (ncols == kPanel) {
-      store(c + r * ldc, lo[r][0]), store(c + r * ldc + kLanes, hi[r][0]);
-    } else {
-      const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
-      store_n(c + r * ldc, lo[r][0], n0), store_n(c + r * ldc + kLanes, hi[r][0], n1);
-    }
+    store_panel_row(c + r * ldc, lo[r][0], hi[r][0], ncols);
   }
 }
 
@@ -263,9 +256,7 @@ struct Q4Quad {
   static constexpr int64_t kHead = 2 * kPanel * 4;
   static constexpr int64_t kQuadBytes = 2 * kPanel;
   static constexpr int64_t kGroupBytes = kHead + 8 * kQuadBytes;
-  static void prefetch(const uint8_t* g) {
-    for (int64_t off = 0; off < kGroupBytes; off += 64) simd::prefetch_l2(g + kQPrefetchBytes + off);
-  }
+  static void prefetch(const uint8_t* g) { prefetch_group(g, kGroupBytes); }
   static float weight(const uint8_t* g, int64_t d, int64_t r) {  // as Fmt::weight: the same fp32 value
     const float* f = reinterpret_cast<const float*>(g);
     const int64_t half = kPanel / 2;
@@ -342,14 +333,7 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, 
       f1[r] = fmadd(mn1, xm, fmadd(qacc_to_float(a1[r]), mul(s1, xs), f1[r]));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (ncols == kPanel) {
-      store(c + r * ldc, f0[r]), store(c + r * ldc + kLanes, f1[r]);
-    } else {
-      const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes)), n1 = static_cast<int>(ncols) - n0;
-      store_n(c + r * ldc, f0[r], n0), store_n(c + r * ldc + kLanes, f1[r], n1);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_panel_row(c + r * ldc, f0[r], f1[r], ncols);
 }
 
 template <int R>
