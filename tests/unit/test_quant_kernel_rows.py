@@ -1,0 +1,101 @@
+"""Every row count 1..300 through the GGUF-block matmul, on every block format and kernel variant this CPU runs.
+
+The kernel splits x into blocks of rows (how many depends on K), takes one of three paths per block (one row,
+a few rows expanded in registers, a panel for many) and one of two per call (each thread's tiles expanded once,
+or tile by tile when they would not fit its buffer). A block of one row needs the row's sums over each group,
+and a tail block of one row after bigger ones once read sums that were never written (a segfault on
+Qwen2.5-1.5B's down projection, K = 8960, at 9, 17, 25 ... rows). So: every row count from 1 to 300, both
+per-call paths (``expand_once_bytes=0`` forces tile by tile), K chosen so the row blocks are small and end in a
+one-row tail many times, against the ``gguf`` package's dequantize and a float64 matmul. The same sweep runs
+under AddressSanitizer in ``test_kernels_asan.py`` (slow), where a read past a buffer is an error, not luck.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf_blocks import assert_fp32_matmul, reference, round_activations
+from tiny_models import random_blocks
+
+from tokenmill.model.gguf_blocks import FORMATS, QuantizedWeight, to_groups
+
+MAX_ROWS = 300
+# K = 1,024 makes blocks of 256 KB of x: 64 rows on AVX-512, 60 on AVX2 (a multiple of the register block),
+# so tails of one row at 65, 129, ... or 61, 121, ...; the 8-bit path's blocks (252 rows) at 253.
+IN_FEATURES = 1024
+# a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts
+WIDE_K_ROWS = (1, 2, 8, 9, 16, 17, 25, 63, 64, 65)
+
+
+def _weights(type_names: tuple[str, ...], rows_each: int, in_features: int, tile_rows: int, q8: bool = False):
+    raws = [random_blocks(t, rows_each, in_features, seed=i + 7) for i, t in enumerate(type_names)]
+    groups = [to_groups(t, r, in_features) for t, r in zip(type_names, raws)]
+    weight = QuantizedWeight.from_groups(groups, tile_rows, int8_activations=q8)
+    w = torch.cat([reference(t, r, in_features) for t, r in zip(type_names, raws)])
+    assert torch.equal(weight.dequantize(), w)
+    return weight, w
+
+
+def _sweep(kernel, weight, w, in_features: int, row_counts, expected_fn) -> None:
+    x = torch.randn(max(row_counts), in_features, generator=torch.Generator().manual_seed(in_features))
+    expected, scale = expected_fn(x, w)
+    for expand_once_bytes in (-1, 0):
+        for m in row_counts:
+            out = kernel.quant_linear(x[:m], weight.data, weight.meta, expand_once_bytes=expand_once_bytes)
+            assert out.shape == (m, w.shape[0])
+            err = ((out.double() - expected[:m]).abs() / scale[:m]).max().item()
+            assert err < 1e-5, (m, expand_once_bytes, err)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor):
+    return x.double() @ w.double().T, (x.double().abs() @ w.double().abs().T).clamp_min(1e-30)
+
+
+def _rounded(x: torch.Tensor, w: torch.Tensor):
+    r = round_activations(x)
+    return r @ w.double().T, (r.abs() @ w.double().abs().T).clamp_min(1e-30)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_every_row_count_of_every_format(kernel_variant, type_name: str) -> None:
+    width = kernel_variant.quant_tile_rows()
+    # one full tile and a partial one: the partial tile's store is masked
+    weight, w = _weights((type_name,), width + 3, IN_FEATURES, width)
+    _sweep(kernel_variant, weight, w, IN_FEATURES, range(1, MAX_ROWS + 1), _exact)
+
+
+def test_every_row_count_of_fused_mixed_types(kernel_variant) -> None:
+    """A Q4_K_M file's fused projections: Q4_K, Q6_K and Q8_0 parts side by side, parts not tile-aligned."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = _weights(("Q4_K", "Q6_K", "Q8_0"), width // 2 + 1, IN_FEATURES, width)
+    _sweep(kernel_variant, weight, w, IN_FEATURES, range(1, MAX_ROWS + 1), _exact)
+
+
+def test_every_row_count_of_the_8_bit_path(kernel_variant) -> None:
+    """gguf-q8: Q4_K parts in the quad layout (rounded activations) next to an exact Q6_K part."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = _weights(("Q4_K", "Q6_K"), width + 3, IN_FEATURES, width, q8=True)
+    n4 = width + 3
+    x_rows = range(1, MAX_ROWS + 1)
+    x = torch.randn(MAX_ROWS, IN_FEATURES, generator=torch.Generator().manual_seed(3))
+    exp4, sc4 = _rounded(x, w[:n4])
+    exp6, sc6 = _exact(x, w[n4:])
+    for m in x_rows:
+        out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta).double()
+        assert ((out[:, :n4] - exp4[:m]).abs() / sc4[:m]).max() < 1e-5, m
+        assert ((out[:, n4:] - exp6[:m]).abs() / sc6[:m]).max() < 1e-5, m
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_wide_inputs_end_in_one_row_blocks(kernel_variant, type_name: str) -> None:
+    """K = 8,960 (Qwen2.5-1.5B's down projection): blocks of 8 rows, so 9, 17, 25, 65 rows end in one row."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = _weights((type_name,), width + 1, 8960, width)
+    _sweep(kernel_variant, weight, w, 8960, WIDE_K_ROWS, _exact)
+
+
+def test_assert_helpers_fail_on_a_wrong_product() -> None:
+    """The helpers this file leans on do reject a wrong result (a check that cannot fail is no check)."""
+    x, w = torch.randn(3, 64), torch.randn(5, 64)
+    with pytest.raises(AssertionError):
+        assert_fp32_matmul(x @ w.T + 1e-3, x, w)
