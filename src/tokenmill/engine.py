@@ -25,13 +25,14 @@ from tokenmill.config import DEFAULT_BATCHED_TOKENS, CacheConfig, EngineConfig, 
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.errors import CONSTRAINT_FAILED
 from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
 
 Prompt = str | Sequence[int]
-STEP_FAILED = "the step failed:"  # how the error of a request whose step's forward raised begins
+STEP_FAILED = "the step failed:"  # how the message of a request whose step's forward raised begins
 
 
 @dataclass
@@ -310,7 +311,7 @@ class Engine:
             if outcome == "stop":
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, now_s=now_s)
             elif outcome is not None:
-                request.error = outcome
+                request.error, request.error_kind = outcome, CONSTRAINT_FAILED
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED, now_s=now_s)
 
     def _report(self, result: StepResult, touched: list[Request], now_s: float) -> StepResult:
@@ -358,6 +359,7 @@ class Engine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             error=request.error,
+            error_kind=request.error_kind,
             new_logprobs=new_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
@@ -382,6 +384,7 @@ class Engine:
             stop_reason=request.stop_reason,
             logprobs=logprobs,
             error=request.error,
+            error_kind=request.error_kind,
         )
         return RequestOutput(
             request_id=request.request_id,

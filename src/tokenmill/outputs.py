@@ -33,6 +33,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     logprobs: list[Logprob] | None = None
     error: str | None = None
+    error_kind: str | None = None  # with error: one of tokenmill.errors.ERROR_KINDS
 
     @property
     def finished(self) -> bool:
@@ -62,6 +63,7 @@ class RequestDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_kind: str | None = None  # with error: one of tokenmill.errors.ERROR_KINDS
     new_logprobs: list[Logprob] | None = None  # parallel to new_token_ids when logprobs were asked
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including new_token_ids

@@ -99,6 +99,7 @@ class Request:
     finished_time_s: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # set when the engine, not the caller, aborted it
+    error_kind: str | None = None  # with error: one of tokenmill.errors.ERROR_KINDS
     # Set by the engine's output side: text so far and logprobs per output token (opaque to the scheduler).
     output_text: str = ""
     output_logprobs: list[Any] = field(default_factory=list)

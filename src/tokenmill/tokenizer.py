@@ -8,7 +8,7 @@ From a GGUF file the BPE is rebuilt from ``tokenizer.ggml.*`` metadata::
 
     model "gpt2": tokens, merges -> BPE model (byte-level, as GPT-2)
     model "llama": tokens, scores -> SentencePiece BPE with byte fallback (merges ranked by score)
-    token_type 3/4         -> special added tokens (control / user-defined)
+    token_type 3 / 4       -> added tokens: special (control) / text matched whole (user-defined)
     tokenizer.ggml.pre     -> pre-tokenizer split rule (see _PRE_TOKENIZER_RULES)
     add_bos/add_eos_token  -> a post-processor adding them
 """
@@ -125,12 +125,16 @@ class Tokenizer:
             backend.decoder = decoders.ByteLevel()
         else:
             backend = _sentencepiece_backend(meta, tokens, vocab, source)
-        specials = [
-            AddedToken(tokens[i], special=True, normalized=False)
+        # Control tokens (<|im_start|>) are special: matched whole, dropped from decoded text. User-defined ones
+        # (Qwen's <tool_call>) are matched whole too but are text, as llama.cpp renders them and as the model's
+        # own tokenizer.json marks them (special: false): a tool-call parser and a grammar both see "<tool_call>".
+        added = [
+            AddedToken(tokens[i], special=kind == _TOKEN_TYPE_CONTROL, normalized=False)
             for i, kind in enumerate(token_types)
             if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED) and vocab.get(tokens[i]) == i
         ]
-        backend.add_special_tokens(specials)
+        backend.add_special_tokens([t for t in added if t.special])
+        backend.add_tokens([t for t in added if not t.special])
 
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
@@ -204,6 +208,15 @@ class Tokenizer:
         )
 
     # --- tokens -------------------------------------------------------------------------------
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (special or not) whose text is exactly ``text``, else None: Qwen's
+        ``<tool_call>`` is one token, which a grammar must name as that token (llguidance sees added tokens as
+        tokens, never as the bytes of their text)."""
+        for token_id, token in self._backend.get_added_tokens_decoder().items():
+            if token.content == text:
+                return int(token_id)
+        return None
+
     def to_json(self) -> str:
         """The backend tokenizer as Hugging Face ``tokenizer.json`` text (what llguidance reads)."""
         return str(self._backend.to_str())

@@ -23,7 +23,9 @@ SLICES = [b"GGUF" + bytes(range(256)) * 3, b"second slice", b"\x00" * 1000]
 
 
 def _fake_entry(sha256: str) -> models.ModelEntry:
-    parts = tuple(models.Part(f"fake-part{n}", "1.0", f"fake_part{n}/data/part{n:02d}.bin") for n in (1, 2, 3))
+    parts = tuple(
+        models.Part(f"fake-part{n}", "1.0", f"fake_part{n}/data/part{n:02d}.bin") for n in (1, 2, 3)
+    )
     return models.ModelEntry(
         name="fake-model",
         description="a test model",

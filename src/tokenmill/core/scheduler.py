@@ -31,6 +31,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
     StepRecord,
 )
+from tokenmill.errors import OVERLOADED, STEP_FAILED
 from tokenmill.request import Request, RequestStatus
 
 
@@ -209,6 +210,7 @@ class Scheduler:
         out.record.num_preemptions += 1
         out.record.preempted_ids.append(rid)
         if request.num_preemptions > self.config.max_num_preemptions:
+            request.error_kind = OVERLOADED
             request.error = (
                 f"preempted {request.num_preemptions} times (max_num_preemptions="
                 f"{self.config.max_num_preemptions}): the KV cache is too small for this load"
@@ -283,7 +285,7 @@ class Scheduler:
             request = row.request
             if request.is_finished:  # aborted between schedule() and now
                 continue
-            request.error = error
+            request.error, request.error_kind = error, STEP_FAILED
             self._end(request, RequestStatus.FINISHED_ABORTED, None, now_s)
             touched.append(request)
         return touched

@@ -549,6 +549,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_kind: str | None = None
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.new_text
@@ -563,7 +564,7 @@ class ChoiceResult:
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
-            self.error = delta.error
+            self.error, self.error_kind = delta.error, delta.error_kind
 
 
 async def collect(group: RequestGroup) -> list[ChoiceResult]:

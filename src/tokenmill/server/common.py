@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.engine import STEP_FAILED
+from tokenmill import errors
 from tokenmill.outputs import RequestDelta
 from tokenmill.server.async_engine import (
     AsyncEngine,
@@ -234,21 +234,22 @@ async def submit(
 def stream_failure(async_engine: AsyncEngine, group: RequestGroup, delta: RequestDelta) -> ApiError | None:
     """The error a terminal delta stands for, or None when it ended normally (or the client left).
 
-    ``finish_reason="error"`` is the engine giving up on a request under load (preempted too often): 429,
-    like a full queue, unless the whole loop died (503) or the step it ran in failed (500: the server's
-    fault, and the next request may well succeed). An ``"abort"`` the client did not ask for is the server
-    shutting down: 503.
+    ``finish_reason="error"`` is mapped by its kind (``tokenmill.errors``): under load (preempted too often)
+    429, like a full queue; a failed step or a failure inside the constraint machinery 500 (the server's
+    fault: the next request may well succeed); the whole loop dead 503. An ``"abort"`` the client did not
+    ask for is the server shutting down: 503.
     """
     if not delta.finished:
         return None
     if delta.finish_reason == "error":
         if not async_engine.alive:
             return unavailable(delta.error or "the engine loop has died")
-        if delta.error is not None and delta.error.startswith(STEP_FAILED):
-            return ApiError(500, delta.error, type="server_error", code="step_failed")
-        return overloaded(
-            delta.error or "the server could not finish the request under this load", "overloaded"
-        )
+        message = delta.error or "the engine ended the request"
+        if delta.error_kind == errors.OVERLOADED:
+            return overloaded(message, "overloaded")
+        if delta.error_kind in (errors.STEP_FAILED, errors.CONSTRAINT_FAILED):
+            return ApiError(500, message, type="server_error", code=delta.error_kind)
+        return ApiError(500, message, type="server_error", code="internal_error")
     if delta.finish_reason == "abort" and not group.aborted_by_client:
         return unavailable("the server is shutting down; the request was aborted")
     return None
@@ -260,7 +261,7 @@ def failure_for(
     for result in results:
         delta = RequestDelta(
             request_id="", new_token_ids=[], new_text="", finished=True, finish_reason=result.finish_reason,
-            error=result.error,
+            error=result.error, error_kind=result.error_kind,
         )  # fmt: skip
         failure = stream_failure(async_engine, group, delta)
         if failure is not None:

@@ -14,7 +14,15 @@ import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tokenmill.generation_defaults import for_request
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -184,6 +192,7 @@ class FunctionCallIn(_Request):
 class ToolCallIn(_Request):
     """An earlier call, in an assistant message of the history."""
 
+    index: int | None = None  # the openai SDK's streamed calls carry it; accumulated history keeps it
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
@@ -216,19 +225,32 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant only
     tool_call_id: str | None = None  # tool only
+    # What the openai SDK's ``message.model_dump()`` carries, so that a reply appended to the history as it
+    # came back is accepted: a refusal is what the assistant said (its text when content is null), annotations
+    # are citations about that text; the legacy function_call is an earlier call. Audio in the history is
+    # refused: tokenmill has no audio.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: FunctionCallIn | None = None
 
     @model_validator(mode="after")
     def _content_only_null_for_assistant(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":  # OpenAI: only an assistant turn may omit it
             raise ValueError(f"content is required for a {self.role} message (null only for assistant)")
-        if self.tool_calls is not None and self.role != "assistant":
+        if (self.tool_calls is not None or self.function_call is not None) and self.role != "assistant":
             raise ValueError("tool_calls belong to assistant messages")
         return self
+
+    def calls(self) -> list[FunctionCallIn]:
+        """The calls this (assistant) message made: its tool_calls, or the legacy function_call."""
+        found = [c.function for c in self.tool_calls or []]
+        return found + ([self.function_call] if self.function_call is not None else [])
 
     def text(self) -> str:
         """The message's content as one string (text parts joined); ParamError for non-text parts."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         pieces = []
@@ -251,6 +273,25 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields whose values below ask for nothing tokenmill would have to do (a value that asks for
+    # something it does not do is a 400 naming the field): nothing is stored (store true is refused),
+    # metadata only labels a stored completion, "auto"/"default" is the one service tier there is, text is
+    # the only modality, and a prediction is only a speed hint (accepted when absent).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_is_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError(
+                "store: true is not supported (tokenmill keeps no completions); send false or omit it"
+            )
+        return value
 
     def active_tools(self) -> list[dict[str, Any]]:
         """The tools the model may call (none with tool_choice "none"); ParamError for a bad choice."""
@@ -283,9 +324,9 @@ class ChatCompletionRequest(_SamplingFields):
         out = []
         for m in self.messages:
             content = m.text()
-            for call in m.tool_calls or []:
+            for call in m.calls():
                 try:
-                    rendered = render_call(call.function.name, call.function.arguments, parser)
+                    rendered = render_call(call.name, call.arguments, parser)
                 except ValueError:
                     raise ParamError(
                         "tool_calls: arguments must be a JSON object string", param="messages"

@@ -51,7 +51,12 @@ from tokenmill.server.protocol import (
     UsageInfo,
     to_sampling_params,
 )
-from tokenmill.server.tool_calls import fallback_system_prompt, forced_call_grammar, streamable_prefix
+from tokenmill.server.tool_calls import (
+    HERMES_TAGS,
+    fallback_system_prompt,
+    forced_call_grammar,
+    streamable_prefix,
+)
 from tokenmill.server.tool_calls import parse as parse_tool_calls
 
 router = APIRouter()
@@ -120,8 +125,10 @@ async def create_chat_completion(request: Request) -> Response:
             if req.structured()[1] is not None:
                 raise ParamError("tool_choice forcing a call cannot be combined with an output constraint",
                                  param="tool_choice")  # fmt: skip
+            tokenizer = state.async_engine.tokenizer
+            tags = {t: i for t in HERMES_TAGS if (i := tokenizer.added_token_id(t)) is not None}
             grammar = forced_call_grammar(
-                req.active_tools(), state.tool_call_parser, req.parallel_tool_calls is True
+                req.active_tools(), state.tool_call_parser, req.parallel_tool_calls is True, tags
             )
             constraint = StructuredOutputsParams(grammar=grammar)
             engine_prompts = [(ids, replace(p, structured_outputs=constraint)) for ids, p in engine_prompts]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,27 +64,85 @@ def render_call(name: str, arguments: str, parser: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
 
 
-def _call_schema(tool: dict[str, Any], parser: str) -> dict[str, Any]:
+_DEFS_KEYS = ("$defs", "definitions")
+
+
+def _rebase_refs(node: Any, params_at: str, defs_prefix: str) -> Any:
+    """``node`` with every local ``$ref`` rewritten for a schema moved to ``params_at`` (a JSON pointer) in a
+    document whose root holds its definitions as ``$defs/<defs_prefix><name>``: pydantic writes nested models
+    and enums as ``#/$defs/Name`` and a recursive model as ``#``, both relative to the parameters' root."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, params_at, defs_prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            pointer = value[1:]
+            for defs in _DEFS_KEYS:
+                if pointer.startswith(f"/{defs}/"):
+                    value = f"#/$defs/{defs_prefix}{pointer[len(defs) + 2 :]}"
+                    break
+            else:
+                value = f"#{params_at}{pointer}"
+            out[key] = value
+        else:
+            out[key] = _rebase_refs(value, params_at, defs_prefix)
+    return out
+
+
+def _call_schema(tool: dict[str, Any], parser: str, params_at: str, defs_prefix: str) -> dict[str, Any]:
+    """The JSON schema of one call of ``tool``; its parameters' definitions are hoisted to the document root
+    (``_rebase_refs``), where the references resolve once the parameters sit under ``properties.<key>``."""
     fn = tool["function"]
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
     key = "parameters" if parser == "llama3_json" else "arguments"
-    return {
+    defs: dict[str, Any] = {}
+    for defs_key in _DEFS_KEYS:
+        for name, sub_schema in (params.pop(defs_key, None) or {}).items():
+            defs[f"{defs_prefix}{name}"] = sub_schema
+    at = f"{params_at}/properties/{key}"
+    schema = {
         "type": "object",
-        "properties": {"name": {"const": fn["name"]}, key: params},
+        "properties": {"name": {"const": fn["name"]}, key: _rebase_refs(params, at, defs_prefix)},
         "required": ["name", key],
         "additionalProperties": False,
     }
+    if defs:
+        schema["$defs"] = {n: _rebase_refs(s, at, defs_prefix) for n, s in defs.items()}
+    return schema
 
 
-def forced_call_grammar(tools: list[dict[str, Any]], parser: str, parallel: bool) -> str:
+HERMES_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def _literal(text: str, token_ids: Mapping[str, int]) -> str:
+    """``text`` in a grammar: the token that is exactly it when the model has one (``<[id]>``), else a string."""
+    token_id = token_ids.get(text)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
+def forced_call_grammar(
+    tools: list[dict[str, Any]], parser: str, parallel: bool, token_ids: Mapping[str, int] | None = None
+) -> str:
     """A Lark grammar (llguidance's dialect) whose every sentence is one call (or several, ``parallel``) of
-    one of ``tools``, the arguments valid for that function's JSON schema."""
-    schemas = [_call_schema(t, parser) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    one of ``tools``, the arguments valid for that function's JSON schema.
+
+    ``token_ids`` maps a tag to the model's own token for it (``Tokenizer.added_token_id``): Qwen2.5 has
+    ``<tool_call>`` as token 151657 and writes it so, and the grammar must then name that token, not the text.
+    The schema's ``$defs`` move to the root of the call's schema, so the ``$ref``s of a pydantic model resolve.
+    """
+    if len(tools) == 1:
+        schema = _call_schema(tools[0], parser, "", "")
+    else:  # each tool's definitions under its own prefix: two pydantic models may both define "Item"
+        schemas = [_call_schema(t, parser, f"/anyOf/{i}", f"tool{i}_") for i, t in enumerate(tools)]
+        defs = {n: s for sch in schemas for n, s in sch.pop("$defs", {}).items()}
+        schema = {"anyOf": schemas, **({"$defs": defs} if defs else {})}
     body = json.dumps(schema)
     if parser == "llama3_json":
         return f"start: call\ncall: %json {body}\n"
-    block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+    opening, closing = (_literal(tag, token_ids or {}) for tag in HERMES_TAGS)
+    block = f'block: {opening} "\\n" call "\\n" {closing}'
     start = 'start: block ("\\n" block)*' if parallel else "start: block"
     return f"{start}\n{block}\ncall: %json {body}\n"
 
