@@ -89,11 +89,14 @@ def _run_info(args: argparse.Namespace) -> int:
         from tokenmill.model.loader import load_model
 
         loaded = load_model(args.model, device="cpu", quantization=args.quantization)
+        from tokenmill.model.quant import weight_breakdown
+
         info["model"] = {
             "source": loaded.source,
             "quantization": loaded.quantization,
             "weight_bytes": loaded.weight_bytes,
             "summary": loaded.describe_weights(),
+            "weight_breakdown_bytes": weight_breakdown(loaded.model),
         }
     print(system_info.render(info, as_json=args.json))
     return 0

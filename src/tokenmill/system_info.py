@@ -57,4 +57,13 @@ def render(info: dict[str, Any], as_json: bool = False) -> str:
     ]
     if "model" in info:
         lines.append(f"model: {info['model']['source']}: {info['model']['summary']}")
+        breakdown = info["model"].get("weight_breakdown_bytes") or {}
+        for kind, nbytes in sorted(breakdown.items(), key=lambda kv: -kv[1]):
+            if kind != "mapped":
+                lines.append(f"  {kind:40} {nbytes / 1e6:9.1f} MB")
+        if "mapped" in breakdown:
+            lines.append(
+                f"  of which memory-mapped from the cache file (pages read once, shared): "
+                f"{breakdown['mapped'] / 1e6:.1f} MB"
+            )
     return "\n".join(lines)

@@ -1,12 +1,14 @@
 """Weights from a GGUF file (``llama``, ``qwen2``, ``qwen3``, ``phi3``), renamed to Hugging Face names: kept as
 their quantized blocks (the default on CPU, :func:`read_quantized_gguf`) or dequantized and cached as safetensors.
 
-Reading a GGUF file means parsing its metadata (about two seconds for SmolLM2's 49k-token vocabulary)
-and dequantizing every tensor. :class:`GGUFFile` does that once and caches the result in
-``$TOKENMILL_CACHE_DIR`` (default ``~/.cache/tokenmill``), keyed by the sha256 of the file: the weights
-as float32, already fused the way :class:`~tokenmill.model.llama.LlamaForCausalLM` holds them, and the
-metadata (config and tokenizer fields) in the safetensors header. A later load memory-maps the cache
-and never opens the GGUF reader.
+Reading a GGUF file means parsing its metadata (2 s for SmolLM2's 49k-token vocabulary, 5.6 s for Qwen2.5's
+152k) and converting every tensor. :class:`GGUFFile` does that once and caches the result in
+``$TOKENMILL_CACHE_DIR`` (default ``~/.cache/tokenmill``), keyed by the file's path, size and modification
+time (:func:`file_identity`): with ``quantization="gguf"`` the blocks as the kernels read them
+(``gguf-blocks-*``, per panel width and mode), with ``"fp32"`` the weights as float32, already fused the way
+:class:`~tokenmill.model.llama.LlamaForCausalLM` holds them; the metadata (config and tokenizer fields) in the
+safetensors header either way. A later load memory-maps the cache (the weights are then file pages, shared
+with the page cache and read from disk once) and never opens the GGUF reader.
 
 For llama-architecture files llama.cpp's converter reorders the rows of every Q and K projection: Hugging Face
 rotates pairs (i, i + D/2) of each head, GGUF rotates neighbours (2i, 2i + 1), so the converter moves HF row
@@ -35,6 +37,7 @@ from tokenmill.model.gguf_blocks import QUANTIZED_TYPES, Groups, to_groups
 from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_dict
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
+BLOCKS_CACHE_VERSION = 1  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
 _TYPES_KEY = "gguf_tensor_types"
@@ -68,12 +71,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+def file_identity(path: Path) -> str:
+    """A cache key for a file without reading it: its resolved path, size and modification time (hashing a
+    1 GB file takes 1.6 s, more than a cached load may take). A file replaced or touched gets a new key."""
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
@@ -226,21 +229,25 @@ class GGUFFile:
 
     def __init__(self, path: str | Path, cache_dir: str | Path | None = None) -> None:
         self.path = Path(path)
-        cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
-        self.cache_path = cache_dir / f"gguf-{file_sha256(self.path)}-v{CACHE_FORMAT_VERSION}.safetensors"
+        self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+        self._identity = file_identity(self.path)
+        self.cache_path = self.cache_dir / f"gguf-{self._identity}-v{CACHE_FORMAT_VERSION}.safetensors"
         self._reader: Any = None
-        self._cached_header: dict[str, str] | None = None
-        if self.cache_path.is_file():
-            try:
-                from safetensors import safe_open
+        self._cached_header = _read_header(self.cache_path)
+        # any cache of this file holds its metadata: the GGUF reader (5.6 s on Qwen2.5's 152k-token vocabulary)
+        # is opened only when none exists
+        self._any_header = self._cached_header or next(
+            (h for p in sorted(self.cache_dir.glob(f"gguf-blocks-{self._identity}-*.safetensors"))
+             if (h := _read_header(p)) is not None),
+            None,
+        )  # fmt: skip
 
-                with safe_open(self.cache_path, framework="pt", device="cpu") as f:
-                    header = f.metadata()
-                if header is None or _CONFIG_KEY not in header or _FIELDS_KEY not in header:
-                    raise ValueError("no tokenmill metadata")
-                self._cached_header = header
-            except Exception as exc:  # a damaged cache file is rebuilt, not fatal
-                warnings.warn(f"ignoring unreadable GGUF cache {self.cache_path}: {exc}", stacklevel=2)
+    def blocks_cache_path(self, tile_rows: int, int8_activations: bool) -> Path:
+        """Where ``quantization="gguf"`` (or ``"gguf-q8"``) keeps this file's blocks rewritten for tiles of
+        ``tile_rows`` (the kernel variant's panel width)."""
+        mode = "q8" if int8_activations else "exact"
+        name = f"gguf-blocks-{self._identity}-w{tile_rows}-{mode}-v{BLOCKS_CACHE_VERSION}.safetensors"
+        return self.cache_dir / name
 
     @property
     def is_cached(self) -> bool:
@@ -248,9 +255,17 @@ class GGUFFile:
 
     @functools.cached_property
     def fields(self) -> dict[str, Any]:
-        if self._cached_header is not None:
-            return {key: _Field(value) for key, value in json.loads(self._cached_header[_FIELDS_KEY]).items()}
+        if self._any_header is not None:
+            return {key: _Field(value) for key, value in json.loads(self._any_header[_FIELDS_KEY]).items()}
         return dict(self.reader().fields)
+
+    def _header(self, config: LlamaConfig) -> dict[str, str]:
+        return {
+            _CONFIG_KEY: _config_to_json(config),
+            _FIELDS_KEY: json.dumps(_metadata_values(self.reader())),
+            _TYPES_KEY: json.dumps(sorted({t.tensor_type.name for t in self.reader().tensors})),
+            "source": str(self.path),
+        }
 
     def reader(self) -> Any:
         if self._reader is None:
@@ -269,37 +284,50 @@ class GGUFFile:
         config, hf_state_dict = convert_gguf(self.path, reader=self.reader())
         fused = fuse_hf_state_dict(config, hf_state_dict)
         del hf_state_dict
-        header = {
-            _CONFIG_KEY: _config_to_json(config),
-            _FIELDS_KEY: json.dumps(_metadata_values(self.reader())),
-            _TYPES_KEY: json.dumps(sorted({t.tensor_type.name for t in self.reader().tensors})),
-            "source": str(self.path),
-        }
         try:
-            _write_cache_atomically(self.cache_path, fused, header)
+            _write_cache_atomically(self.cache_path, fused, self._header(config))
         except OSError as exc:  # an unwritable cache costs speed next time, not this load
             warnings.warn(f"could not write GGUF cache {self.cache_path}: {exc}", stacklevel=2)
         return config, fused
 
     def quantized_tensor_types(self) -> list[str]:
         """The types among this file's tensors that the quantized kernels take (empty: an fp16/fp32 file)."""
-        if self._cached_header is not None and _TYPES_KEY in self._cached_header:
-            types = json.loads(self._cached_header[_TYPES_KEY])
+        if self._any_header is not None and _TYPES_KEY in self._any_header:
+            types = json.loads(self._any_header[_TYPES_KEY])
         else:
             types = sorted({t.tensor_type.name for t in self.reader().tensors})
         return [t for t in types if t in QUANTIZED_TYPES]
 
     def load_quantized_model(self, int8_activations: bool = False) -> tuple[LlamaConfig, LlamaForCausalLM]:
         """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU.
-        ``int8_activations`` (``"gguf-q8"``): 4-bit blocks in the layout of the 8-bit-activation kernel."""
+        ``int8_activations`` (``"gguf-q8"``): 4-bit blocks in the layout of the 8-bit-activation kernel.
+
+        The first load rewrites the blocks (seconds: 18 s for a 1.5B) and writes them to a cache file; later
+        loads map that file, so the weights are file pages shared with the page cache, read from disk once.
+        """
+        from safetensors.torch import load_file
+
         from tokenmill.model.cpu_kernels import quant_kernels
-        from tokenmill.model.quant import build_quantized_llama
+        from tokenmill.model.quant import build_quantized_llama, quantized_state, rebuild_quantized_llama
 
         kernels = quant_kernels()
         tile_rows = kernels[2] if kernels is not None else 8
-        config, dense, quantized = read_quantized_gguf(self.path, self.reader())
         matmuls = None if kernels is None else (kernels[0], kernels[1])
-        return config, build_quantized_llama(config, dense, quantized, tile_rows, matmuls, int8_activations)
+        cache = self.blocks_cache_path(tile_rows, int8_activations)
+        header = _read_header(cache)
+        if header is not None:
+            config = _config_from_json(header[_CONFIG_KEY])
+            return config, rebuild_quantized_llama(config, load_file(cache, device="cpu"), matmuls)
+        config, dense, quantized = read_quantized_gguf(self.path, self.reader())
+        model = build_quantized_llama(config, dense, quantized, tile_rows, matmuls, int8_activations)
+        del dense, quantized
+        try:
+            _write_cache_atomically(cache, quantized_state(model), self._header(config))
+        except OSError as exc:  # an unwritable cache costs time next load, not this one
+            warnings.warn(f"could not write GGUF blocks cache {cache}: {exc}", stacklevel=2)
+            return config, model
+        # the model built from the mapped file: its weights are the cache's pages, not a private copy
+        return config, rebuild_quantized_llama(config, load_file(cache, device="cpu"), matmuls)
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> tuple[LlamaConfig, LlamaForCausalLM]:
         config, state_dict = self.load_weights()
@@ -317,6 +345,23 @@ def load_gguf_model(
 def _metadata_values(reader: Any) -> dict[str, Any]:
     """Every key/value field but the file header's (``GGUF.*``), as Python values."""
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def _read_header(path: Path) -> dict[str, str] | None:
+    """A cache file's tokenmill metadata, or None when it is absent or unreadable (then it is rebuilt)."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            header = f.metadata()
+        if header is None or _CONFIG_KEY not in header or _FIELDS_KEY not in header:
+            raise ValueError("no tokenmill metadata")
+        return dict(header)
+    except Exception as exc:  # a damaged cache file is rebuilt, not fatal
+        warnings.warn(f"ignoring unreadable GGUF cache {path}: {exc}", stacklevel=2)
+        return None
 
 
 def _write_cache_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

@@ -288,6 +288,96 @@ def build_quantized_llama(
     return model.eval()
 
 
+def quantized_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Every tensor of a model :func:`build_quantized_llama` made, under its module's names (a quantized
+    module's ``data`` and ``meta``, fused fp32 tensors as they are): what :func:`rebuild_quantized_llama` takes
+    back. A tied head is the table's bytes and is left out."""
+    state = model.state_dict()
+    if isinstance(model.lm_head, QuantizedLinear) and isinstance(
+        model.model.embed_tokens, QuantizedEmbedding
+    ):
+        if model.lm_head.data.data_ptr() == model.model.embed_tokens.data.data_ptr():
+            for key in ("lm_head.data", "lm_head.meta"):
+                state.pop(key)
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def rebuild_quantized_llama(
+    config: LlamaConfig, state: dict[str, torch.Tensor], kernels: tuple[QuantMatmul, QuantRows] | None
+) -> LlamaForCausalLM:
+    """The model :func:`quantized_state` was taken from, its tensors used as they are (a memory-mapped cache's
+    tensors stay mapped: no copy)."""
+    matmul, rows = kernels if kernels is not None else (None, None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = dict(state)
+    for name in sorted(k.removesuffix(".meta") for k in state if k.endswith(".meta")):
+        weight = QuantizedWeight(state.pop(f"{name}.data"), state.pop(f"{name}.meta"))
+        if name == "model.embed_tokens":
+            model.model.embed_tokens = QuantizedEmbedding(weight, rows)  # type: ignore[assignment]
+            if config.tie_word_embeddings:
+                model.lm_head = QuantizedLinear(weight, matmul)  # type: ignore[assignment]
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(
+            model.get_submodule(parent),
+            attr,
+            QuantizedLinear(weight, matmul, state.pop(f"{name}.bias", None)),
+        )
+    model.load_fused_state_dict({k: v.float() for k, v in state.items()})
+    return model.eval()
+
+
+def weight_breakdown(model: nn.Module) -> dict[str, int]:
+    """Where the weights' bytes go, for ``tokenmill info --load``: per kind of tensor (a quantized block
+    format, ``fp32``, ``int8``, reordered ``packed`` copies), each storage counted once, as in
+    :func:`weight_bytes`; ``mapped`` of them are pages of a memory-mapped file (a cache or the model's own)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(kind: str, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except NotImplementedError:
+            key, nbytes = id(t), t.numel() * t.element_size()
+        if key in seen:
+            return
+        seen.add(key)
+        out[kind] = out.get(kind, 0) + nbytes
+        if _is_file_mapped(key):
+            out["mapped"] = out.get("mapped", 0) + nbytes
+
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            role = "embedding" if isinstance(module, QuantizedEmbedding) else "linear"
+            add(f"{role} {QuantizedWeight(module.data, module.meta).type_summary()}", module.data)
+        for attr in ("packed_weight", "packed_head"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor):
+                add("packed", t)
+    for t in [*model.parameters(), *model.buffers()]:
+        add("int8" if t.dtype == torch.int8 else str(t.dtype).removeprefix("torch."), t)
+    return out
+
+
+def _is_file_mapped(address: int) -> bool:
+    """Whether ``address`` lies in a file mapping of this process (Linux's /proc/self/maps); False elsewhere."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, _, rest = line.partition(" ")
+                lo, _, hi = span.partition("-")
+                if int(lo, 16) <= address < int(hi, 16):
+                    fields = rest.split()
+                    return len(fields) >= 5 and fields[-1].startswith("/")
+    except OSError:
+        pass
+    return False
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every tensor the model holds for its weights (parameters, buffers and reordered copies),
     each storage counted once (a tied head and its table are one)."""
