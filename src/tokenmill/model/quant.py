@@ -293,12 +293,11 @@ def quantized_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     module's ``data`` and ``meta``, fused fp32 tensors as they are): what :func:`rebuild_quantized_llama` takes
     back. A tied head is the table's bytes and is left out."""
     state = model.state_dict()
-    if isinstance(model.lm_head, QuantizedLinear) and isinstance(
-        model.model.embed_tokens, QuantizedEmbedding
-    ):
-        if model.lm_head.data.data_ptr() == model.model.embed_tokens.data.data_ptr():
-            for key in ("lm_head.data", "lm_head.meta"):
-                state.pop(key)
+    head, table = model.lm_head, model.model.embed_tokens
+    tied = isinstance(head, QuantizedLinear) and isinstance(table, QuantizedEmbedding)
+    if tied and head.data.data_ptr() == table.data.data_ptr():
+        for key in ("lm_head.data", "lm_head.meta"):
+            state.pop(key)
     return {k: v.contiguous() for k, v in state.items()}
 
 
