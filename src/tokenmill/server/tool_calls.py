@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.json_schema import close_objects
+
 PARSERS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -130,7 +132,8 @@ def forced_call_grammar(
 
     ``token_ids`` maps a tag to the model's own token for it (``Tokenizer.added_token_id``): Qwen2.5 has
     ``<tool_call>`` as token 151657 and writes it so, and the grammar must then name that token, not the text.
-    The schema's ``$defs`` move to the root of the call's schema, so the ``$ref``s of a pydantic model resolve.
+    The schema's ``$defs`` move to the root of the call's schema, so the ``$ref``s of a pydantic model resolve;
+    objects that do not say ``additionalProperties`` are closed (``tokenmill.json_schema``).
     """
     if len(tools) == 1:
         schema = _call_schema(tools[0], parser, "", "")
@@ -138,7 +141,7 @@ def forced_call_grammar(
         schemas = [_call_schema(t, parser, f"/anyOf/{i}", f"tool{i}_") for i, t in enumerate(tools)]
         defs = {n: s for sch in schemas for n, s in sch.pop("$defs", {}).items()}
         schema = {"anyOf": schemas, **({"$defs": defs} if defs else {})}
-    body = json.dumps(schema)
+    body = json.dumps(close_objects(schema))
     if parser == "llama3_json":
         return f"start: call\ncall: %json {body}\n"
     opening, closing = (_literal(tag, token_ids or {}) for tag in HERMES_TAGS)

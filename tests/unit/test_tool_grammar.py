@@ -1,0 +1,131 @@
+"""The forced-call grammar (``server/tool_calls.py``) and closed objects (``json_schema.py``) on the schemas
+pydantic writes: nested models and enums under ``$defs``, optional fields (``anyOf`` with null), recursion
+through ``#/$defs/...``, two tools that both define ``Item``. Each grammar is checked by llguidance itself
+(compiled with the embedded model's tokenizer) and by feeding it a valid call token by token: the call must be
+accepted and complete; an extra key, or a wrong enum value, must be refused.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import llguidance
+import pytest
+from pydantic import BaseModel
+
+from tokenmill.json_schema import close_objects
+from tokenmill.server.tool_calls import forced_call_grammar
+
+
+class Kind(enum.StrEnum):
+    A = "a"
+    B = "b"
+
+
+class Item(BaseModel):
+    kind: Kind
+    note: str | None = None
+
+
+class Order(BaseModel):
+    items: list[Item]
+    gift: Item | None = None
+
+
+class Tree(BaseModel):
+    label: str
+    children: list[Tree] = []
+
+
+class Other(BaseModel):
+    """A second tool whose schema also defines ``Item`` (another one)."""
+
+    class Item(BaseModel):
+        size: int
+
+    item: Item
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer():
+    from tokenmill.model.embedded import embedded_model_path
+    from tokenmill.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(embedded_model_path())
+    return tok, llguidance.LLTokenizer(
+        tok.to_json(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids)
+    )
+
+
+def _tool(model: type[BaseModel]) -> dict:
+    return {"type": "function", "function": {"name": model.__name__, "parameters": model.model_json_schema()}}
+
+
+def _accepts(ll_tokenizer, grammar: str, text: str) -> bool:
+    tok, ll = ll_tokenizer
+    error = llguidance.LLMatcher.validate_grammar(grammar, ll)
+    assert not error, error
+    matcher = llguidance.LLMatcher(ll, grammar)
+    for token in tok.encode(text, add_special_tokens=False):
+        if not matcher.consume_token(token):
+            return False
+    return matcher.is_accepting()
+
+
+def _call(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def test_nested_enum_optional_and_recursive_schemas_compile_and_accept(ll_tokenizer) -> None:
+    for model in (Order, Tree):
+        assert "$defs" in model.model_json_schema()
+    order = {"items": [{"kind": "a", "note": None}, {"kind": "b"}], "gift": None}
+    assert _accepts(ll_tokenizer, forced_call_grammar([_tool(Order)], "hermes", False), _call("Order", order))
+    tree = {"label": "r", "children": [{"label": "x", "children": [{"label": "y", "children": []}]}]}
+    assert _accepts(ll_tokenizer, forced_call_grammar([_tool(Tree)], "hermes", False), _call("Tree", tree))
+    # llama3_json: the same schemas as {"name", "parameters"}
+    g = forced_call_grammar([_tool(Tree)], "llama3_json", False)
+    assert _accepts(ll_tokenizer, g, json.dumps({"name": "Tree", "parameters": tree}))
+
+
+def test_refusals_inside_referenced_definitions(ll_tokenizer) -> None:
+    g = forced_call_grammar([_tool(Order)], "hermes", False)
+    assert not _accepts(ll_tokenizer, g, _call("Order", {"items": [{"kind": "c"}]}))  # not in the enum
+    # an extra key inside a $defs model: closed (pydantic wrote no additionalProperties)
+    assert not _accepts(ll_tokenizer, g, _call("Order", {"items": [{"kind": "a", "description": "x"}]}))
+
+
+def test_two_tools_defining_the_same_name(ll_tokenizer) -> None:
+    g = forced_call_grammar([_tool(Order), _tool(Other)], "hermes", False)
+    assert _accepts(ll_tokenizer, g, _call("Other", {"item": {"size": 3}}))
+    assert _accepts(ll_tokenizer, g, _call("Order", {"items": [{"kind": "b"}]}))
+    assert not _accepts(ll_tokenizer, g, _call("Other", {"item": {"kind": "b"}}))  # Order's Item, not Other's
+
+
+def test_a_tag_the_model_has_as_a_token_is_named_as_that_token() -> None:
+    g = forced_call_grammar([_tool(Item)], "hermes", True, {"<tool_call>": 151657, "</tool_call>": 151658})
+    assert '<[151657]> "\\n" call "\\n" <[151658]>' in g
+    assert "start: block" in g and '("\\n" block)*' in g  # parallel calls
+    plain = forced_call_grammar([_tool(Item)], "hermes", False)
+    assert '"<tool_call>" "\\n" call "\\n" "</tool_call>"' in plain
+
+
+def test_close_objects() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"type": {"type": "string"}, "inner": {"properties": {"x": {"type": "integer"}}}},
+        "$defs": {
+            "D": {"type": "object", "properties": {}},
+            "Open": {"type": "object", "additionalProperties": True},
+        },
+        "anyOf": [{"type": ["object", "null"]}],
+    }
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["type"]  # a string, and a property named "type"
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert closed["$defs"]["Open"]["additionalProperties"] is True  # said so: kept
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the input is not changed
