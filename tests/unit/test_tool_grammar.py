@@ -129,3 +129,21 @@ def test_close_objects() -> None:
     assert closed["$defs"]["Open"]["additionalProperties"] is True  # said so: kept
     assert closed["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the input is not changed
+
+
+def test_a_whole_answer_that_is_one_fenced_or_bare_call_is_a_call() -> None:
+    """Qwen2.5-Coder, offered tools, often answers with the call in a code fence instead of the tags."""
+    from tokenmill.server.tool_calls import parse, streamable_prefix
+
+    names = {"get_weather"}
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```'
+    content, (call,) = parse(fenced, "hermes", names)
+    assert content is None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    content, (call,) = parse('{"name": "get_weather", "arguments": {"city": "Rome"}}', "hermes", names)
+    assert json.loads(call.arguments) == {"city": "Rome"}
+    # not a call: text around the fence, an unknown function, a fence of other JSON
+    for text in (f"Here it is: {fenced}", fenced.replace("get_weather", "other"), '```json\n{"a": 1}\n```'):
+        assert parse(text, "hermes", names) == (text, [])
+    # streaming holds what could be such an answer, and nothing else
+    assert streamable_prefix("``", "hermes") == 0 and streamable_prefix('{"na', "hermes") == 0
+    assert streamable_prefix("Sunny ``", "hermes") == 8

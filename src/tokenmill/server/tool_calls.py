@@ -33,6 +33,10 @@ from tokenmill.json_schema import close_objects
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# A whole answer that is one JSON call in a code fence, or bare: Qwen2.5-Coder, offered tools by its own
+# template, often answers ```json {"name": ..., "arguments": ...}``` instead of using the tags (llama.cpp's
+# Hermes parser takes fenced calls too). Only an answer that is nothing else, naming an offered function.
+_FENCED_CALL = re.compile(r"```(?:json)?\s*(\{.*\})\s*```", re.DOTALL)
 
 
 @dataclass
@@ -152,13 +156,16 @@ def forced_call_grammar(
 
 def streamable_prefix(text: str, parser: str) -> int:
     """How much of a partial answer can stream as content: all of it up to where a call starts or could
-    be starting (a tail that is a prefix of the opening tag). llama3_json answers that open with ``{`` or
-    the python tag are held whole."""
+    be starting (a tail that is a prefix of the opening tag). Answers that open with ``{`` (and, for hermes,
+    a code fence) or the python tag are held whole: they may be one call."""
     if parser == "llama3_json":
         head = text.lstrip()
         if head.startswith("{") or head.startswith("<|python_tag|>") or "<|python_tag|>".startswith(head):
             return 0
         return len(text)
+    head = text.lstrip()
+    if head.startswith(("{", "```")) or (head and "```".startswith(head)):  # could be a whole-answer call
+        return 0
     opening = "<tool_call>"
     at = text.find(opening)
     if at >= 0:
@@ -183,7 +190,11 @@ def parse(text: str, parser: str, tool_names: set[str]) -> tuple[str | None, lis
             calls.append(call)
             rest = rest.replace(match.group(0), "", 1)
     if not calls:
-        return text, []
+        whole = text.strip()
+        fenced = _FENCED_CALL.fullmatch(whole)
+        body = fenced.group(1) if fenced else whole if whole.startswith("{") else None
+        call = _decode(body, "arguments", tool_names) if body is not None else None
+        return (None, [call]) if call is not None else (text, [])
     content = rest.strip()
     return (content or None), calls
 
