@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.json_schema import close_objects
+from tokenmill.json_schema import as_constraint
 from tokenmill.sampling_params import StructuredOutputsParams
 
 _BYTE_BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8]
@@ -76,9 +76,9 @@ class StructuredOutputs:
                 schema = json.loads(params.json) if isinstance(params.json, str) else params.json
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be an object")
-                return str(matcher.grammar_from_json_schema(close_objects(schema)))
+                return str(matcher.grammar_from_json_schema(as_constraint(schema)))
             if params.json_object:
-                return str(matcher.grammar_from_json_schema({"type": "object"}))
+                return str(matcher.grammar_from_json_schema(as_constraint({"type": "object"})))
             if params.regex is not None:
                 return str(matcher.grammar_from_regex(params.regex))
             if params.choice is not None:

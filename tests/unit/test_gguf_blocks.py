@@ -37,7 +37,8 @@ def assert_fp32_matmul(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> N
 
 
 def _k(type_name: str) -> int:
-    return 256 if type_name.endswith("_K") else 32
+    """Weights per block of the type (256 for K-quants and IQ4_XS, else 32)."""
+    return int(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0])
 
 
 @pytest.mark.parametrize("type_name", sorted(FORMATS))
@@ -132,8 +133,8 @@ def test_kernel_refuses_bad_meta(kernel_variant) -> None:
 
 
 def test_unsupported_type_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="Q5_0"):
-        to_groups("Q5_0", np.zeros((1, 22), np.uint8), 32)
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        to_groups("IQ2_XXS", np.zeros((1, 66), np.uint8), 256)
 
 
 # --- the 8-bit-activation path (quantization="gguf-q8"): 4-bit parts in the quad layout ---------------------

@@ -37,6 +37,7 @@ _QUANTIZERS = (
     "Q4_1",
     "Q5_0",
     "Q8_0",
+    "MXFP4",
 )  # the gguf package quantizes these; K-quants get random valid blocks
 
 
@@ -153,6 +154,37 @@ def test_kept_blocks_match_the_dequantized_twin(kernel_variant, tmp_path: Path) 
     assert kept.weight_bytes < twin.weight_bytes / 3
 
 
+# the block types added for files whose rows do not divide into Q4_K's 256 (Qwen2.5-0.5B: Q5_0) and the low-bit
+# ones (Q2_K_M, Q3_K_M, IQ4 files)
+LOW_BIT_TYPES = {
+    "attn_q": "Q5_0",
+    "attn_k": "Q5_1",
+    "attn_v": "IQ4_NL",
+    "attn_output": "Q3_K",
+    "ffn_gate": "Q2_K",
+    "ffn_up": "IQ4_XS",
+    "ffn_down": "Q5_1",
+    "token_embd": "Q5_0",
+    "output": "Q2_K",
+}
+
+
+def test_low_bit_types_match_the_dequantized_twin(kernel_variant, tmp_path: Path) -> None:
+    path = tmp_path / "tiny-low-bit.gguf"
+    write_gguf(path, LOW_BIT_TYPES)
+    kept = load_model(str(path), device="cpu")
+    assert kept.quantization == "gguf"
+    qkv = kept.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.weight.type_summary() == "8bit/g32+8bit/g32+8bit/g32"
+    assert kept.model.model.layers[0].mlp.gate_up_proj.weight.type_summary() == "8bit/g16+8bit/g32"
+    twin = load_model(str(path), device="cpu", quantization="fp32")
+    for step, (a, b) in enumerate(
+        zip(prefill_then_decode(kept, PROMPTS, 3), prefill_then_decode(twin, PROMPTS, 3))
+    ):
+        scale = b.abs().max().clamp_min(1.0)
+        torch.testing.assert_close(a / scale, b / scale, atol=2e-5, rtol=0, msg=f"step {step}")
+
+
 def test_gguf_q8_on_a_mixed_file(kernel_variant, tmp_path: Path) -> None:
     """``quantization="gguf-q8"`` on a Q4_K / Q6_K file: the 4-bit parts take the quad layout, the Q6_K ones stay
     exact inside the same fused matmul; the decode stack gives the eager forward's logits bit for bit; and the
@@ -238,8 +270,8 @@ def test_gguf_mode_refuses_what_it_cannot_run(tmp_path: Path) -> None:
 
 
 def test_unsupported_quantized_type_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "tiny-q5_0.gguf"
-    write_gguf(path, {**TYPES, "ffn_up": "Q5_0"})
-    with pytest.raises(ValueError, match="Q5_0"):
+    path = tmp_path / "tiny-mxfp4.gguf"
+    write_gguf(path, {**TYPES, "ffn_up": "MXFP4"})
+    with pytest.raises(ValueError, match="MXFP4"):
         load_model(str(path), device="cpu")
-    assert "Q5_0" not in gguf_loader._SUPPORTED_TYPES
+    assert "MXFP4" not in gguf_loader._SUPPORTED_TYPES

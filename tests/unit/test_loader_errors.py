@@ -303,8 +303,8 @@ def test_gguf_cache_dir_defaults_to_env(tmp_path: Path, _tmp_cache: Path) -> Non
 
 def test_gguf_unknown_tensor_type_is_named(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, _random_hf_state_dict(TINY), types={"down_proj": "Q5_0"})
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight.*Q5_0"):
+    _write_tiny_gguf(path, _random_hf_state_dict(TINY), types={"down_proj": "MXFP4"})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight.*MXFP4"):
         load_model(str(path), device="cpu")
 
 

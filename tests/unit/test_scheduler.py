@@ -464,6 +464,7 @@ def test_preemption_bound_aborts_with_an_error() -> None:
     for r in aborted:
         assert r.num_preemptions == 2
         assert r.error is not None and "preempted 2 times" in r.error and "max_num_preemptions=1" in r.error
+        assert r.error_kind == "overloaded"
         assert r.finish_reason == "error"
         assert r.block_ids == [] and r.num_computed_tokens == 0
         (out,) = [o for o in run.outputs if r.request_id in o.finished_ids]
@@ -613,6 +614,7 @@ def test_failed_step_ends_its_rows_and_still_reports_requests_ended_in_schedule(
             assert {r.request_id for r in touched} == rows | set(out.finished_ids)
             for row in out.rows:
                 assert row.request.finish_reason == "error" and row.request.error == "the step failed: boom"
+                assert row.request.error_kind == "step_failed"
                 assert row.request.block_ids == []
         else:
             touched = sched.update_from_output(out, runner.execute(out), float(now))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import json
+from typing import Annotated, Literal
 
 import llguidance
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from tokenmill.json_schema import close_objects
+from tokenmill.json_schema import as_constraint, close_objects
 from tokenmill.server.tool_calls import forced_call_grammar
 
 
@@ -119,7 +120,7 @@ def test_close_objects() -> None:
             "D": {"type": "object", "properties": {}},
             "Open": {"type": "object", "additionalProperties": True},
         },
-        "anyOf": [{"type": ["object", "null"]}],
+        "anyOf": [{"type": ["object", "null"], "properties": {"y": {}}}, {"type": "object"}],
     }
     closed = close_objects(schema)
     assert closed["additionalProperties"] is False
@@ -128,7 +129,22 @@ def test_close_objects() -> None:
     assert closed["$defs"]["D"]["additionalProperties"] is False
     assert closed["$defs"]["Open"]["additionalProperties"] is True  # said so: kept
     assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["anyOf"][1]  # any object: json_object's schema stays open
     assert "additionalProperties" not in schema  # the input is not changed
+    bounded = as_constraint(schema)
+    assert bounded["x-guidance"] == {"whitespace_pattern": "[\\n\\t ]{0,20}"}
+    own = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    assert as_constraint(own)["x-guidance"] == {"whitespace_flexible": False}
+
+
+def test_whitespace_runs_are_bounded(ll_tokenizer) -> None:
+    """Qwen2.5-1.5B wrote spaces after a key until max_tokens: a run past MAX_WHITESPACE is refused."""
+    from tokenmill.json_schema import MAX_WHITESPACE
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(as_constraint(schema))
+    assert _accepts(ll_tokenizer, grammar, '{\n  "a": 1\n}')
+    assert not _accepts(ll_tokenizer, grammar, '{"a":' + " " * (MAX_WHITESPACE + 5) + "1}")
 
 
 def test_a_whole_answer_that_is_one_fenced_or_bare_call_is_a_call() -> None:
@@ -147,3 +163,26 @@ def test_a_whole_answer_that_is_one_fenced_or_bare_call_is_a_call() -> None:
     # streaming holds what could be such an answer, and nothing else
     assert streamable_prefix("``", "hermes") == 0 and streamable_prefix('{"na', "hermes") == 0
     assert streamable_prefix("Sunny ``", "hermes") == 8
+
+
+class Cat(BaseModel):
+    pet: Literal["cat"]
+    lives: int
+
+
+class Dog(BaseModel):
+    pet: Literal["dog"]
+    good: bool
+
+
+class Owner(BaseModel):
+    """A discriminated union: pydantic writes oneOf with a discriminator over $defs refs."""
+
+    animal: Annotated[Cat | Dog, Field(discriminator="pet")]
+
+
+def test_a_discriminated_union(ll_tokenizer) -> None:
+    assert "oneOf" in json.dumps(Owner.model_json_schema())
+    g = forced_call_grammar([_tool(Owner)], "hermes", False)
+    assert _accepts(ll_tokenizer, g, _call("Owner", {"animal": {"pet": "dog", "good": True}}))
+    assert not _accepts(ll_tokenizer, g, _call("Owner", {"animal": {"pet": "dog", "lives": 9}}))

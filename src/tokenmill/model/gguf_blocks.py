@@ -55,10 +55,20 @@ FORMATS: dict[str, BlockFormat] = {
     "Q4_0": BlockFormat(4, 32, True),
     "Q4_1": BlockFormat(4, 32, True),
     "Q4_K": BlockFormat(4, 32, True),
+    "Q5_0": BlockFormat(8, 32, False),
+    "Q5_1": BlockFormat(8, 32, True),
     "Q5_K": BlockFormat(8, 32, True),
     "Q6_K": BlockFormat(8, 16, False),
     "Q8_0": BlockFormat(8, 32, False),
+    "Q2_K": BlockFormat(8, 16, True),
+    "Q3_K": BlockFormat(8, 16, False),
+    "IQ4_NL": BlockFormat(8, 32, False),
+    "IQ4_XS": BlockFormat(8, 32, False),
 }
+# IQ4_NL / IQ4_XS: each 4-bit code indexes this table of int8 values (ggml's kvalues_iq4nl)
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
+)
 QUANTIZED_TYPES = tuple(FORMATS)
 
 
@@ -114,14 +124,8 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
     num_groups = in_features // fmt.group
     if in_features % fmt.group:
         raise ValueError(f"{type_name} rows of {in_features} weights are not whole groups of {fmt.group}")
-    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
-        block = raw.reshape(rows, num_groups, -1)  # [rows, G, block bytes]
-        d = _f16(block[..., 0:2])
-        if type_name == "Q8_0":
-            return Groups(fmt, np.ascontiguousarray(block[..., 2:]), d, None)
-        if type_name == "Q4_0":
-            return Groups(fmt, _nibbles(block[..., 2:]), d, d * np.float32(-8))
-        return Groups(fmt, _nibbles(block[..., 4:]), d, _f16(block[..., 2:4]))
+    if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"):
+        return _small_block_groups(type_name, fmt, raw.reshape(rows, num_groups, -1))
     num_super = in_features // QK_K
     if in_features % QK_K:
         raise ValueError(f"{type_name} rows of {in_features} weights are not whole super-blocks of {QK_K}")
@@ -148,6 +152,14 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
             scale.reshape(rows, num_groups),
             minimum.reshape(rows, num_groups),
         )
+    if type_name in ("Q2_K", "Q3_K", "IQ4_XS"):
+        codes, scale, minimum = _LOW_BIT_K[type_name](sb)
+        return Groups(
+            fmt,
+            codes.reshape(rows, num_groups, fmt.group),
+            scale.reshape(rows, num_groups),
+            None if minimum is None else minimum.reshape(rows, num_groups),
+        )
     # Q6_K: ql [128], qh [64], int8 scales [16], fp16 d, per super-block
     ql = sb[:, 0:128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     qh = sb[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -160,6 +172,81 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
         (d * scales).reshape(rows, num_groups),
         None,
     )
+
+
+def _as_bytes(codes: np.ndarray) -> np.ndarray:
+    """Signed codes -> their int8 bytes, as the 8-bit formats store them."""
+    return np.ascontiguousarray(codes.astype(np.int8)).view(np.uint8)
+
+
+def _five_bits(block: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: ``qh`` (4 bytes: bit j the fifth bit of weight j) then 16 bytes of nibbles -> codes 0..31."""
+    qh = np.ascontiguousarray(block[..., :4]).view(np.uint32)  # [rows, G, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, G, 32]
+    return _nibbles(block[..., 4:]) | (high << 4)
+
+
+def _small_block_groups(type_name: str, fmt: BlockFormat, block: np.ndarray) -> Groups:
+    """Types of one fp16 ``d`` (and ``m``) per 32 weights; ``block`` [rows, G, block bytes]."""
+    d = _f16(block[..., 0:2])
+    if type_name == "Q8_0":
+        return Groups(fmt, np.ascontiguousarray(block[..., 2:]), d, None)
+    if type_name == "Q4_0":  # d * (q - 8)
+        return Groups(fmt, _nibbles(block[..., 2:]), d, d * np.float32(-8))
+    if type_name == "Q4_1":  # d * q + m
+        return Groups(fmt, _nibbles(block[..., 4:]), d, _f16(block[..., 2:4]))
+    if type_name == "Q5_0":  # d * (q - 16): signed codes, no min (the product is exact either way)
+        return Groups(fmt, _as_bytes(_five_bits(block[..., 2:]).astype(np.int16) - 16), d, None)
+    if type_name == "Q5_1":  # d * q + m
+        return Groups(fmt, _five_bits(block[..., 4:]), d, _f16(block[..., 2:4]))
+    # IQ4_NL: d * table[q]
+    return Groups(fmt, _as_bytes(IQ4_VALUES[_nibbles(block[..., 2:])]), d, None)
+
+
+def _q2_k(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K (84 bytes: 16 scale/min bytes, 64 of 2-bit codes, fp16 d, dmin): d * sc * q - dmin * m per 16."""
+    n = sb.shape[0]
+    sc = sb[:, 0:16]
+    qs = (sb[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    d, dmin = _f16(sb[:, 80:82])[:, None], _f16(sb[:, 82:84])[:, None]
+    scale = d * (sc & 15).astype(np.float32)
+    minimum = -(dmin * (sc >> 4).astype(np.float32))
+    return np.ascontiguousarray(qs.reshape(n, 16, 16)), scale, minimum
+
+
+def _q3_k(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q3_K (110 bytes: 32 of high-bit mask, 64 of 2-bit codes, 12 of 6-bit scales, fp16 d): d * (sc - 32) * q
+    per 16, q = low 2 bits - 4 where the mask bit is 0 (-4..3)."""
+    n = sb.shape[0]
+    hmask, qs, packed = sb[:, 0:32], sb[:, 32:96], sb[:, 96:108]
+    d = _f16(sb[:, 108:110])
+    low = (packed[:, 0:8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(
+        n, 16
+    )
+    high = packed[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+    sc = ((low & 15) | ((high.reshape(n, 16) & 3) << 4)).astype(np.int16) - 32
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = ql.reshape(n, 16, 16).astype(np.int16) - ((qh.reshape(n, 16, 16) ^ 1).astype(np.int16) << 2)
+    return _as_bytes(q), d[:, None] * sc.astype(np.float32), None
+
+
+def _iq4_xs(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """IQ4_XS (136 bytes: fp16 d, 2 bytes of high scale bits, 4 of low, 128 of nibbles): d * (ls - 32) *
+    table[q] per 32."""
+    n = sb.shape[0]
+    d = _f16(sb[:, 0:2])
+    high = np.ascontiguousarray(sb[:, 2:4]).view(np.uint16)  # [n, 1]
+    high = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)  # [n, 8]
+    low = (sb[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(
+        n, 8
+    ) & 15
+    ls = (low | (high << 4)).astype(np.int16) - 32
+    q = _nibbles(sb[:, 8:136].reshape(n, 8, 16))  # [n, 8, 32]
+    return _as_bytes(IQ4_VALUES[q]), d[:, None] * ls.astype(np.float32), None
+
+
+_LOW_BIT_K = {"Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
 
 
 def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> np.ndarray:

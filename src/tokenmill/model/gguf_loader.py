@@ -41,7 +41,23 @@ BLOCKS_CACHE_VERSION = 1  # likewise for the rewritten blocks (gguf_blocks' layo
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
 _TYPES_KEY = "gguf_tensor_types"
-_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_SUPPORTED_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.json_schema import close_objects
+from tokenmill.json_schema import as_constraint
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -145,7 +145,7 @@ def forced_call_grammar(
         schemas = [_call_schema(t, parser, f"/anyOf/{i}", f"tool{i}_") for i, t in enumerate(tools)]
         defs = {n: s for sch in schemas for n, s in sch.pop("$defs", {}).items()}
         schema = {"anyOf": schemas, **({"$defs": defs} if defs else {})}
-    body = json.dumps(close_objects(schema))
+    body = json.dumps(as_constraint(schema))
     if parser == "llama3_json":
         return f"start: call\ncall: %json {body}\n"
     opening, closing = (_literal(tag, token_ids or {}) for tag in HERMES_TAGS)

@@ -2,17 +2,18 @@
 // and y fp32 and W expanded from 4- or 8-bit codes as it is used, never stored whole as fp32.
 //
 // The weight layout (tokenmill/model/gguf_blocks.py writes it at load; this file only reads it). Every GGUF
-// type tokenmill keeps is one of four block formats, a group being `group` consecutive inputs of one row:
+// type tokenmill keeps is one of five block formats, a group being `group` consecutive inputs of one row:
 //
 //   bits  group  min   from
 //   4     32     yes   Q4_0 Q4_1 Q4_K
-//   8     32     no    Q8_0
-//   8     32     yes   Q5_K (codes 0..31)
-//   8     16     no    Q6_K (codes -32..31)
+//   8     32     no    Q8_0, Q5_0 (codes -16..15), IQ4_NL and IQ4_XS (codes: the non-linear table's int8 values)
+//   8     32     yes   Q5_K and Q5_1 (codes 0..31)
+//   8     16     no    Q6_K (codes -32..31), Q3_K (codes -4..3)
+//   8     16     yes   Q2_K (codes 0..3)
 //
-// and a weight is code * scale + min in fp32, one fused multiply-add: the product of a small integer code and a
-// scale made of an fp16 and a 6- or 8-bit integer is exact in fp32, so the value is the one rounding of the
-// same sum the `gguf` package's dequantize computes: bit for bit the fp32 weights of the dequantizing path.
+// and a weight is code * scale + min in fp32, one fused multiply-add: every scale and min is an fp16 times a
+// small integer (exact in fp32), and code * scale (+ min) rounded once is what the `gguf` package's dequantize
+// computes too: bit for bit the fp32 weights of the dequantizing path.
 // Output rows go in tiles of kPanel (panel_linear.h's panel width: 32 on AVX-512, 16 on AVX2, 8 on base); a
 // tile stores, per group, the kPanel scales, the kPanel mins (if any), then for each input of the group the
 // kPanel codes (4-bit: byte i holds row i low and row i + kPanel/2 high). Expanding one input's codes is then
@@ -48,7 +49,6 @@ constexpr int kQSplit = 4;                                 // independent sums p
 // Software prefetch distance into L2, every cache line of a group: as small_linear.h found, the hardware
 // prefetchers alone keep too few lines in flight for a decode step to read at memory speed.
 constexpr int64_t kQPrefetchBytes = 32768;
-constexpr int64_t kMinGroup = 32;
 // Beyond one block of x rows a thread expands all its tiles once, up to this many bytes of fp32 panels (the
 // LM head's 113 MB would not fit: it goes tile by tile, each tile once per block of rows).
 constexpr int64_t kQExpandOnceBytes = 16 << 20;  // the group size of every format with a min
@@ -102,7 +102,7 @@ struct Fmt {
   }
   static constexpr bool kHasMin = kMin;
   static void prefetch(const uint8_t* g) { prefetch_group(g, kGroupBytes); }
-  static_assert(!kMin || Group == kMinGroup, "the one-row path sums x over groups of kMinGroup");
+  static_assert(!kMin || Group == 32 || Group == 16, "the one-row path has x's sums over groups of 32 and 16");
   // the weight of tile row r (< kPanel) at input d, as a scalar: the embedding lookup's path
   static float weight(const uint8_t* g, int64_t d, int64_t r) {
     const float* f = reinterpret_cast<const float*>(g);
@@ -118,13 +118,14 @@ struct Fmt {
 
 // c[0:ncols] = one row of x . every row of the tile, as sum over groups of scale * (x . codes) + min * sum(x):
 // per input one conversion and one FMA per vector, scale and min once per group (the decode step's case:
-// about a quarter fewer instructions than expanding each weight, which is what bounds it). xsum[g]: the row's
-// sum over group g.
+// about a quarter fewer instructions than expanding each weight, which is what bounds it). xsum: the row's
+// RowSums (sums over groups of 32, then over groups of 16).
 template <class F>
 inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, int64_t num_groups, float* c,
                       int64_t ncols) {
   using namespace simd;
   Vec acc0 = zero(), acc1 = zero();
+  const float* sums = xsum + (F::kGroup == 16 ? num_groups / 2 : 0);  // this format's group size
   for (int64_t g = 0; g < num_groups; ++g) {
     const uint8_t* grp = tile + g * F::kGroupBytes;
     F::prefetch(grp);
@@ -145,7 +146,7 @@ inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, in
     acc0 = fmadd(t0[0], load(f), acc0);
     acc1 = fmadd(t1[0], load(f + kLanes), acc1);
     if constexpr (F::kHasMin) {
-      const Vec xs = set1(xsum[g]);
+      const Vec xs = set1(sums[g]);
       acc0 = fmadd(xs, load(f + kPanel), acc0);
       acc1 = fmadd(xs, load(f + kPanel + kLanes), acc1);
     }
@@ -225,6 +226,31 @@ inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const 
   }
 }
 
+// Per row of x, its sums over groups of 32 inputs, then over groups of 16 (every format with a min has one of the
+// two): what fused_row needs for a block of one row, [M, stride(K)]. Rows go in blocks of `block_rows` from row 0,
+// so only the last row can start a one-row block (M == 1, or M % block_rows == 1): the sums are computed for that
+// row alone.
+class RowSums {
+ public:
+  static int64_t stride(int64_t K) { return K / 32 + K / 16; }
+  RowSums(const float* x, int64_t M, int64_t K, int64_t block_rows) {
+    if (M == 0 || (M - 1) % block_rows != 0) return;  // the last block has more than one row
+    sums_.reset(new float[M * stride(K)]);
+    const float* row = x + (M - 1) * K;
+    float* out = sums_.get() + (M - 1) * stride(K);
+    for (int64_t group : {32, 16})
+      for (int64_t g = 0; g < K / group; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) acc += row[k];
+        *out++ = acc;
+      }
+  }
+  const float* data() const { return sums_.get(); }
+
+ private:
+  std::unique_ptr<float[]> sums_;
+};
+
 // Rows [m0, m1) of x times one tile: expanded in registers for a few rows, else into `panel` first.
 template <class F>
 inline void tile_rows(const float* x, const float* xsum, int64_t m0, int64_t m1, int64_t K, const uint8_t* tile,
@@ -232,7 +258,7 @@ inline void tile_rows(const float* x, const float* xsum, int64_t m0, int64_t m1,
   const int64_t M = m1 - m0;
   if (M == 1) {
     // the caller's RowSums cover every row that starts a one-row block (checked when they were made)
-    fused_row<F>(x + m0 * K, xsum + m0 * num_groups, tile, num_groups, y + m0 * ldy, ncols);
+    fused_row<F>(x + m0 * K, xsum + m0 * RowSums::stride(K), tile, num_groups, y + m0 * ldy, ncols);
     return;
   }
   if (M <= kQFusedRows) {
@@ -426,6 +452,8 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
       set_format<8, 32, true>(p);
     else if (bits == 8 && group == 16 && !has_min)
       set_format<8, 16, false>(p);
+    else if (bits == 8 && group == 16 && has_min)
+      set_format<8, 16, true>(p);
     else
       TORCH_CHECK(false, "part ", i, ": no block format with bits ", bits, ", group ", group, ", min ", has_min);
     TORCH_CHECK(offset >= 0 && offset + p.num_tiles * p.tile_bytes <= data.numel(), "part ", i,
@@ -438,28 +466,6 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
   return q;
 }
 
-
-// Per row of x, its sums over groups of kMinGroup inputs: what fused_row needs for a block of one row. Rows go
-// in blocks of `block_rows` from row 0, so only the last row can start a one-row block (M == 1, or
-// M % block_rows == 1): the sums are computed for that row alone, in a buffer indexed as [M, K / kMinGroup].
-class RowSums {
- public:
-  RowSums(const float* x, int64_t M, int64_t K, int64_t block_rows) {
-    const int64_t G = K / kMinGroup;
-    if (M == 0 || (M - 1) % block_rows != 0) return;  // the last block has more than one row
-    sums_.reset(new float[M * G]);
-    const float* row = x + (M - 1) * K;
-    for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.f;
-      for (int64_t k = g * kMinGroup; k < (g + 1) * kMinGroup; ++k) acc += row[k];
-      sums_[(M - 1) * G + g] = acc;
-    }
-  }
-  const float* data() const { return sums_.get(); }
-
- private:
-  std::unique_ptr<float[]> sums_;
-};
 
 }  // namespace
 
