@@ -1,6 +1,6 @@
 """GGUF quantized tensors kept quantized: their blocks rewritten once into the layout ``csrc/quant_linear.h`` reads.
 
-Each GGUF type tokenmill keeps maps onto one of four block formats (bits, weights per group, whether a group has
+Each GGUF type tokenmill keeps maps onto one of five block formats (bits, weights per group, whether a group has
 a min), every weight being ``code * scale + min`` in fp32:
 
 ========  =============================================  ==========================================
@@ -9,16 +9,22 @@ GGUF      what a group is in the file                     kept as
 Q4_0      32 weights, fp16 ``d``, ``w = d * (q - 8)``     4-bit, scale ``d``, min ``-8 d``
 Q4_1      32 weights, fp16 ``d``, ``m``: ``d * q + m``    4-bit, scale ``d``, min ``m``
 Q4_K      8 sub-blocks of 32 in 256, 6-bit scales/mins     4-bit, scale ``d * sc``, min ``-dmin * m``
+Q5_0      32 weights, fp16 ``d``, 5 bits: ``d (q - 16)``  8-bit codes -16..15, scale ``d``
+Q5_1      32 weights, fp16 ``d``, ``m``, 5 bits           8-bit codes 0..31, scale ``d``, min ``m``
 Q5_K      as Q4_K with a fifth bit per weight             8-bit codes 0..31, scale and min as Q4_K
 Q6_K      16 groups of 16 in 256, int8 scales, 6 bits     8-bit codes -32..31, scale ``d * sc``
+Q3_K      16 groups of 16 in 256, 6-bit scales, 3 bits    8-bit codes -4..3, scale ``d * (sc - 32)``
+Q2_K      16 groups of 16 in 256, 4-bit scales/mins, 2 b  8-bit codes 0..3, scale ``d * sc``, min ``-dmin * m``
 Q8_0      32 int8 weights, fp16 ``d``                     8-bit, scale ``d``
+IQ4_NL    32 weights, fp16 ``d``, 4-bit table indices      8-bit codes: the table's int8 values, scale ``d``
+IQ4_XS    8 groups of 32 in 256, 6-bit scales, as IQ4_NL  8-bit table values, scale ``d * (ls - 32)``
 ========  =============================================  ==========================================
 
-Every scale and min is an fp16 times a small integer, exact in fp32, and ``code * scale`` is exact too, so the
-single rounding of ``code * scale + min`` (one fused multiply-add in the kernel) gives the very values the
-``gguf`` package's ``dequantize`` gives: tests/unit/test_gguf_blocks.py checks this bit for bit per type.
-Q5_K and Q6_K take a byte per weight here (1.25-1.5 bytes with the scales, against 0.69 and 0.82 in the file):
-the one kernel layout for 5 and 6 bits is a byte, which keeps the kernel to four block formats.
+Every scale and min is an fp16 times a small integer, exact in fp32, and ``code * scale`` (+ ``min``) rounded
+once (one multiply or fused multiply-add in the kernel) is what the ``gguf`` package's ``dequantize`` computes
+too, so the kept weights are its values bit for bit: tests/unit/test_gguf_blocks.py checks this per type. The
+5-, 6-, 3- and 2-bit types and the IQ4 ones take a byte per weight here (1.06-1.5 bytes with the scales, against
+0.33-0.82 in the file): the one kernel layout for them is a byte, which keeps the kernel to five block formats.
 
 The layout (``csrc/quant_linear.h`` says why): output rows in tiles of the kernels' panel width W; per tile and
 group, W fp32 scales, W fp32 mins (when the format has one), then for each input of the group the W rows'
