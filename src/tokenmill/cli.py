@@ -102,6 +102,16 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    if args.ray:  # replicas behind Ray Serve (serving/, the floor above server/)
+        from tokenmill.serving.ray_serve import run_from_args
+
+        return run_from_args(args)
+    from tokenmill.server.launch import run_serve
+
+    return run_serve(args)
+
+
 def _run_pull(args: argparse.Namespace) -> int:
     from tokenmill import models
 
@@ -158,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=lambda a: _run_generate(a, chat=True))
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from tokenmill.server.launch import add_serve_arguments, run_serve
+    from tokenmill.server.launch import add_serve_arguments
 
     add_serve_arguments(serve)
-    serve.set_defaults(func=run_serve)
+    serve.set_defaults(func=_run_serve)
 
     info = sub.add_parser("info", help="versions, the CPU, the kernel variant loaded and each fast path")
     info.add_argument("--json", action="store_true", help="as JSON")

@@ -26,7 +26,7 @@ from tokenmill.config import DEFAULT_BATCHED_TOKENS, CacheConfig, EngineConfig, 
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.detokenizer import IncrementalDetokenizer
-from tokenmill.errors import CONSTRAINT_FAILED
+from tokenmill.errors import CONSTRAINT_FAILED, BadRequestError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -185,24 +185,25 @@ class Engine:
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; ValueError for bad input (empty or out-of-vocabulary prompt, too long, duplicate id).
+        """Queue a request; BadRequestError (a ValueError) naming the field for bad input (empty or
+        out-of-vocabulary prompt, too long, duplicate id, a constraint that does not compile).
 
         ``params`` None: :meth:`default_sampling_params` (the model's generation defaults)."""
         params = params or self.default_sampling_params()
         if isinstance(prompt, str):
             if prompt == "":
-                raise ValueError("prompt must not be empty")
+                raise BadRequestError("prompt must not be empty", param="prompt")
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             text = None
             token_ids = self.validate_token_ids(prompt)
         if not token_ids:
-            raise ValueError("prompt must contain at least one token")
+            raise BadRequestError("prompt must contain at least one token", param="prompt")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise BadRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         for tok in params.stop_token_ids:
             self._check_vocab(tok, "stop_token_ids")
         for tok in params.logit_bias:
@@ -249,8 +250,9 @@ class Engine:
     def _check_vocab(self, tok: object, name: str) -> None:
         vocab_size = self.tokenizer.vocab_size
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(
-                f"{name}: token id {tok!r} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
+            raise BadRequestError(
+                f"{name}: token id {tok!r} is out of vocabulary (valid ids are 0..{vocab_size - 1})",
+                param=name,
             )
 
     def abort(self, request_id: str) -> bool:

@@ -1,13 +1,24 @@
-"""Why the engine, not the caller, ended a request: one word per cause, set where the cause is decided.
+"""tokenmill's errors, one small hierarchy from the engine to HTTP. Torch-free: the bottom floor, next to
+``request.py``.
 
-A request the engine gave up on ends with ``finish_reason="error"``, a message for people (``error``) and one of
-these kinds (``error_kind``) for programs: the server maps the kind, never the message, to an HTTP status.
+Raised (the library and the server's own checks):
 
-- ``OVERLOADED``: it could not be finished under this load (preempted more than ``max_num_preemptions`` times):
-  a retry later may succeed (429 on the server, as a full queue).
-- ``STEP_FAILED``: the forward of a step it was in raised; the server's fault (500, ``step_failed``).
-- ``CONSTRAINT_FAILED``: its structured-output matcher refused a token it had allowed, or failed inside: a fault
-  of the constraint machinery, not of the request (500, ``constraint_failed``).
+- :class:`BadRequestError` (a ``ValueError``): the caller's input is wrong; ``param`` names the field (``prompt``,
+  ``max_tokens``, ``stop_token_ids``, ``logit_bias``, ``structured_outputs``, a sampling field). A 400.
+- :class:`NotFoundError` (a ``LookupError``): a model or object that does not exist. A 404.
+- :class:`QueueFullError`: the bounded queue is full. The only 429.
+- :class:`UnavailableError`: the engine is shutting down or has died. A 503.
+
+Request outcomes: a request the engine, not the caller, ended has ``finish_reason="error"``, a message for
+people (``error``) and one of these kinds (``error_kind``) for programs, set where the cause is decided:
+
+- ``OVERLOADED``: preempted more than ``max_num_preemptions`` times: the pool is too small for the load (503,
+  ``overloaded``: a retry later may succeed, but it is not the queue that was full);
+- ``STEP_FAILED``: the forward of a step it was in raised (500, ``step_failed``);
+- ``CONSTRAINT_FAILED``: its structured-output matcher refused a token it had allowed, or failed inside (500,
+  ``constraint_failed``).
+
+``tokenmill.server.common.api_error`` is the one place that turns any of these into OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -16,3 +27,35 @@ OVERLOADED = "overloaded"
 STEP_FAILED = "step_failed"
 CONSTRAINT_FAILED = "constraint_failed"
 ERROR_KINDS = (OVERLOADED, STEP_FAILED, CONSTRAINT_FAILED)
+
+
+class TokenmillError(Exception):
+    """Every error tokenmill raises on purpose."""
+
+
+class BadRequestError(TokenmillError, ValueError):
+    """Bad input from the caller; ``param`` names the request field, ``code`` an optional machine code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class NotFoundError(TokenmillError, LookupError):
+    """What was asked for does not exist; ``param`` names the field that named it."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class QueueFullError(TokenmillError):
+    """The bounded queue is full: 429 with Retry-After."""
+
+
+class UnavailableError(TokenmillError):
+    """The engine admits nothing: shutting down, or dead. 503."""

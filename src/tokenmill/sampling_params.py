@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.errors import BadRequestError
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -27,13 +29,17 @@ class StructuredOutputsParams:
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
-            raise ValueError(
-                f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; got {given}"
+            raise BadRequestError(
+                f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; got {given}",
+                param="structured_outputs",
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError("structured_outputs: choice must be a non-empty list of non-empty strings")
+            raise BadRequestError(
+                "structured_outputs: choice must be a non-empty list of non-empty strings",
+                param="structured_outputs",
+            )
 
     @property
     def key(self) -> str:
@@ -84,44 +90,57 @@ class SamplingParams:
         _check_float("temperature", self.temperature, lo=0.0)
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         _check_int("top_k", self.top_k, lo=-1)
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise BadRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
         if self.seed is not None:
             _check_int("seed", self.seed)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise BadRequestError(f"{name} must be in [-2, 2], got {value}", param=name)
         _check_float("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise BadRequestError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise BadRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
         for s in self.stop:
             if not isinstance(s, str) or s == "":
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise BadRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
         for tok, bias in self.logit_bias.items():
             if tok < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+                raise BadRequestError(
+                    f"logit_bias keys must be token ids >= 0, got {tok}", param="logit_bias"
+                )
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+                raise BadRequestError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {tok}",
+                    param="logit_bias",
+                )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            raise BadRequestError(
+                "structured_outputs must be a StructuredOutputsParams", param="structured_outputs"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, lo=0)
                 if value > 20:
-                    raise ValueError(f"{name} must be at most 20, got {value}")
+                    raise BadRequestError(f"{name} must be at most 20, got {value}", param=name)
 
     @property
     def greedy(self) -> bool:
@@ -134,15 +153,15 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, lo: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise BadRequestError(f"{name} must be an integer, got {value!r}", param=name)
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+        raise BadRequestError(f"{name} must be >= {lo}, got {value}", param=name)
 
 
 def _check_float(name: str, value: object, lo: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise BadRequestError(f"{name} must be a number, got {value!r}", param=name)
     if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise BadRequestError(f"{name} must be finite, got {value}", param=name)
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+        raise BadRequestError(f"{name} must be >= {lo}, got {value}", param=name)

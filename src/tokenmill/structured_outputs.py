@@ -6,7 +6,7 @@ its next position, and the advance on each sampled token.
 constraint, so a schema every request repeats is translated once) and returns a fresh ``LLMatcher`` for one
 request, or raises ValueError with llguidance's reason (an invalid schema, a regex or grammar it rejects).
 The matcher lives on the request (``Request.grammar``, opaque to the scheduler); the sampler asks it for the
-mask of constrained rows only (``fill_masks`` / ``apply_masks``); the engine feeds it every token the request
+mask of constrained rows only (:func:`apply_masks`); the engine feeds it every token the request
 appends (``advance``), so a request preempted and recomputed keeps its matcher as it was: its output tokens
 were consumed once, and recomputation appends none. When the grammar is complete the request ends with
 finish_reason ``"stop"``.
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.errors import BadRequestError
 from tokenmill.json_schema import as_constraint
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -65,7 +66,7 @@ class StructuredOutputs:
             text = self._translate(params)
             error = self._ll.LLMatcher.validate_grammar(text, self.tokenizer)
             if error:
-                raise ValueError(f"structured_outputs: {error}")
+                raise BadRequestError(f"structured_outputs: {error}", param="structured_outputs")
             self._grammars[key] = text
         return text
 
@@ -87,7 +88,7 @@ class StructuredOutputs:
             assert params.grammar is not None
             return str(matcher.grammar_from_lark(params.grammar))
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"structured_outputs: {exc}") from None
+            raise BadRequestError(f"structured_outputs: {exc}", param="structured_outputs") from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """A fresh matcher for one request, its first mask computed (so a grammar that fails lazily fails here,
@@ -98,12 +99,13 @@ class StructuredOutputs:
         if not matcher.is_error():
             matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * first.element_size())
         if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+            raise BadRequestError(f"structured_outputs: {matcher.get_error()}", param="structured_outputs")
         elapsed_s = time.perf_counter() - start_s
         if elapsed_s > self.compile_timeout_s:
-            raise ValueError(
+            raise BadRequestError(
                 f"structured_outputs: compiling the constraint took {elapsed_s:.2f} s, over the "
-                f"{self.compile_timeout_s:g} s limit"
+                f"{self.compile_timeout_s:g} s limit",
+                param="structured_outputs",
             )
         return matcher
 

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow  # a Ray cluster and two model copies on two cores
 
 @pytest.fixture(scope="module")
 def ray_server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--ray", "--num-replicas", "2", "--num-cpus-per-replica", "0.5").start(timeout_s=300)
+    proc = ServerProcess(
+        "--ray", "--num-replicas", "2", "--num-cpus-per-replica", "0.5", module="tokenmill.serving.ray_serve"
+    ).start(timeout_s=300)
     try:
         yield proc
     finally:

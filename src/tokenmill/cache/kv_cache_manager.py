@@ -14,8 +14,8 @@ Two admission policies (``reserve``):
   ``num_free_blocks = pool free - reserved but unused``.
 
 Prefix caching (``enable_caching``): a full block's identity is a hash chained over its parent's hash and
-its token ids, ``sha256(parent || salt-rooted chain || int32 token ids)``; the chain's root is the sha256 of the
-request's ``cache_salt``. SHA-256 is collision resistant, so two different token prefixes sharing a block by
+its token ids, ``sha256(parent || int32 token ids)``, where the first block's parent is the sha256 of the
+request's ``cache_salt`` (empty when unsalted). SHA-256 is collision resistant, so two different token prefixes sharing a block by
 accident is not a practical risk (a 64-bit hash would be, at scale). :meth:`find_cached_prefix` returns the
 longest run of cached blocks at the start of a request (never its last token: one token is always computed,
 so that there are logits to sample from); :meth:`allocate_slots` takes them with the first allocation;

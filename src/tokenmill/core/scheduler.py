@@ -31,7 +31,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
     StepRecord,
 )
-from tokenmill.errors import OVERLOADED, STEP_FAILED
+from tokenmill.errors import OVERLOADED, STEP_FAILED, BadRequestError
 from tokenmill.request import Request, RequestStatus
 
 
@@ -72,22 +72,25 @@ class Scheduler:
 
     # --- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request (FIFO). ValueError if it could never run: too long, or larger than the pool."""
+        """Queue a request (FIFO). BadRequestError (param max_tokens) if it could never run: too long, or
+        larger than the pool."""
         max_len = self.config.max_model_len
         if request.max_num_tokens > max_len:
-            raise ValueError(
+            raise BadRequestError(
                 f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling_params.max_tokens}) = {request.max_num_tokens} exceeds max_model_len ({max_len})"
+                f"({request.sampling_params.max_tokens}) = {request.max_num_tokens} exceeds max_model_len ({max_len})",
+                param="max_tokens",
             )
         worst_blocks = self.kv.max_blocks(request)
         if worst_blocks > self.kv.num_blocks:
-            raise ValueError(
+            raise BadRequestError(
                 f"request {request.request_id!r}: prompt + max_tokens = {request.max_num_tokens} tokens need "
                 f"{worst_blocks} KV blocks of {self.block_size}, but the whole pool has {self.kv.num_blocks}; "
-                f"lower max_tokens or give the KV cache more memory"
+                f"lower max_tokens or give the KV cache more memory",
+                param="max_tokens",
             )
         if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise BadRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {request.request_id!r} is not a fresh waiting request")
         self._requests[request.request_id] = request

@@ -35,6 +35,7 @@ from tokenmill.server.common import (
     BODY_MODELS,
     ApiError,
     ServerState,
+    api_error,
     check_model,
     get_state,
     parse_body,
@@ -255,7 +256,7 @@ def _add_misc_routes(app: FastAPI) -> None:
             else:
                 raise ParamError("either prompt or messages is required", param="prompt")
         except ParamError as exc:
-            raise ApiError.from_param_error(exc) from None
+            raise api_error(exc) from None
         token_strs = None
         if req.return_token_strs:
             token_strs = [str(tokenizer.id_to_token(t)) for t in tokens]

@@ -9,7 +9,7 @@ HTTP request (n choices = n engine requests, one :class:`RequestGroup`):
    thread drains its commands: ``engine.add_request`` for each choice (a ``ValueError`` there rejects the
    whole group, which ``submit`` re-raises), ``engine.abort`` for aborts.
 3. The thread steps while the engine has work, and sleeps on an event when it has none (after checking
-   the block pool's integrity once, as the style guide asks of an idle scheduler).
+   the block pool's integrity once: an idle pool must hold every block free or cached, so a leak shows at once).
 4. After each step the deltas are grouped per RequestGroup and handed to the event loop with one
    ``loop.call_soon_threadsafe`` per group; the handler reads them from an ``asyncio.Queue``.
 5. Each engine request ends exactly once: its first finished delta is delivered and the request is
@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.errors import BadRequestError, QueueFullError, UnavailableError
 from tokenmill.outputs import RequestDelta
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import EngineSnapshot, RequestEvent, ServerMetrics
@@ -57,15 +58,11 @@ class EngineBrokenError(RuntimeError):
     """Too many steps in a row failed."""
 
 
-class QueueFullError(Exception):
-    """The bounded queue is full: answer 429 with Retry-After."""
-
-
-class EngineDeadError(Exception):
+class EngineDeadError(UnavailableError):
     """The engine loop has died (or stopped): answer 503."""
 
 
-class DrainingError(Exception):
+class DrainingError(UnavailableError):
     """The server is shutting down and admits nothing new: answer 503."""
 
 
@@ -264,14 +261,15 @@ class AsyncEngine:
     ) -> RequestGroup:
         """Queue one engine request per ``(prompt_token_ids, params)``; return once the engine accepted them.
 
-        Raises QueueFullError, DrainingError, EngineDeadError, or the engine's ValueError for bad input.
+        Raises QueueFullError, DrainingError, EngineDeadError, or the engine's BadRequestError for bad input.
         """
         if not prompts:
             raise ValueError("nothing to submit")
         if len(prompts) > self.max_queue:  # a 429 would be retried forever: it can never be queued
-            raise ValueError(
+            raise BadRequestError(
                 f"n: the request needs {len(prompts)} engine requests (n x prompts) and the server queues at "
-                f"most {self.max_queue} (--max-queue); it could never be accepted"
+                f"most {self.max_queue} (--max-queue); it could never be accepted",
+                param="n",
             )
         if self._draining:
             raise DrainingError("the server is shutting down")

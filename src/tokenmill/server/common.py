@@ -18,15 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill import errors
 from tokenmill.outputs import RequestDelta
-from tokenmill.server.async_engine import (
-    AsyncEngine,
-    ChoiceResult,
-    DrainingError,
-    EngineDeadError,
-    QueueFullError,
-    RequestGroup,
-)
-from tokenmill.server.protocol import ErrorInfo, ErrorResponse, ParamError, validation_error_to_param
+from tokenmill.server.async_engine import AsyncEngine, ChoiceResult, RequestGroup
+from tokenmill.server.protocol import ErrorInfo, ErrorResponse, validation_error_to_param
 
 RETRY_AFTER_S = 1
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -69,10 +62,6 @@ class ApiError(Exception):
     def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> ApiError:
         return cls(400, message, param=param, code=code)
 
-    @classmethod
-    def from_param_error(cls, exc: ParamError) -> ApiError:
-        return cls(400, exc.message, param=exc.param, code=exc.code)
-
     def response(self) -> JSONResponse:
         return JSONResponse(
             ErrorResponse(error=self.info).model_dump(), status_code=self.status_code, headers=self.headers
@@ -82,9 +71,9 @@ class ApiError(Exception):
         return f"data: {ErrorResponse(error=self.info).model_dump_json()}\n\n"
 
 
-def overloaded(message: str, code: str = "queue_full") -> ApiError:
+def queue_full(message: str) -> ApiError:
     return ApiError(
-        429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)}
+        429, message, type="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}
     )
 
 
@@ -177,7 +166,7 @@ def parse_body(model: type[ModelT], body: Any) -> ModelT:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise ApiError.from_param_error(validation_error_to_param(exc)) from None
+        raise api_error(validation_error_to_param(exc)) from None
 
 
 # Request models by name, for /openapi.json: the routes parse their own JSON (for OpenAI-shaped errors and
@@ -207,36 +196,41 @@ async def submit(
     cache_salt: str | None = None,
     structured_param: str | None = None,
 ) -> Any:
-    """AsyncEngine.submit with its refusals mapped to HTTP: 429 (queue), 503 (draining/dead), 400 (input)."""
+    """AsyncEngine.submit with its refusals mapped to HTTP by :func:`api_error`. ``structured_param``: the
+    request field that gave the constraint (``response_format``, ``tools``...), named instead of the engine's
+    ``structured_outputs``."""
     try:
         return await state.async_engine.submit(prompts, request_id=request_id, cache_salt=cache_salt)
-    except QueueFullError as exc:
-        raise overloaded(str(exc)) from None
-    except (DrainingError, EngineDeadError) as exc:
-        raise unavailable(str(exc)) from None
-    except ParamError as exc:
-        raise ApiError.from_param_error(exc) from None
-    except ValueError as exc:
-        message = str(exc)
-        param = next(
-            (name for name in ("prompt", "stop_token_ids", "logit_bias") if message.startswith(name)), None
-        )
-        if param is None and message.startswith("n: "):
-            param = "n"
-        if param is None and message.startswith("structured_outputs"):  # the constraint did not compile
-            param = structured_param or "structured_outputs"
-            message = message.replace("structured_outputs", param, 1)
-        if param is None and message.startswith("request "):  # the scheduler: it could never fit
-            param = "max_tokens"
-        raise ApiError.bad_request(message, param=param) from None
+    except errors.BadRequestError as exc:
+        if exc.param == "structured_outputs" and structured_param is not None:
+            raise ApiError.bad_request(
+                exc.message.replace("structured_outputs", structured_param, 1), param=structured_param
+            ) from None
+        raise api_error(exc) from None
+    except errors.TokenmillError as exc:
+        raise api_error(exc) from None
+
+
+def api_error(exc: errors.TokenmillError) -> ApiError:
+    """The one mapping of tokenmill's errors (``tokenmill.errors``) to OpenAI's shapes: a bad request 400 with
+    its param, not found 404, a full queue 429 with Retry-After (the only 429), unavailable 503."""
+    if isinstance(exc, errors.BadRequestError):
+        return ApiError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, errors.NotFoundError):
+        return ApiError(404, exc.message, param=exc.param, code=exc.code or "not_found")
+    if isinstance(exc, errors.QueueFullError):
+        return queue_full(str(exc))
+    if isinstance(exc, errors.UnavailableError):
+        return unavailable(str(exc))
+    return ApiError(500, f"internal error: {exc}", type="server_error", code="internal_error")
 
 
 def stream_failure(async_engine: AsyncEngine, group: RequestGroup, delta: RequestDelta) -> ApiError | None:
     """The error a terminal delta stands for, or None when it ended normally (or the client left).
 
     ``finish_reason="error"`` is mapped by its kind (``tokenmill.errors``): under load (preempted too often)
-    429, like a full queue; a failed step or a failure inside the constraint machinery 500 (the server's
-    fault: the next request may well succeed); the whole loop dead 503. An ``"abort"`` the client did not
+    503 ``overloaded`` with Retry-After (429 means only a full queue); a failed step or a failure inside the
+    constraint machinery 500 (the server's fault: the next request may well succeed); the whole loop dead 503. An ``"abort"`` the client did not
     ask for is the server shutting down: 503.
     """
     if not delta.finished:
@@ -245,8 +239,9 @@ def stream_failure(async_engine: AsyncEngine, group: RequestGroup, delta: Reques
         if not async_engine.alive:
             return unavailable(delta.error or "the engine loop has died")
         message = delta.error or "the engine ended the request"
-        if delta.error_kind == errors.OVERLOADED:
-            return overloaded(message, "overloaded")
+        if delta.error_kind == errors.OVERLOADED:  # not the queue: the pool is too small for the load
+            return ApiError(503, message, type="server_error", code="overloaded",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         if delta.error_kind in (errors.STEP_FAILED, errors.CONSTRAINT_FAILED):
             return ApiError(500, message, type="server_error", code=delta.error_kind)
         return ApiError(500, message, type="server_error", code="internal_error")

@@ -115,34 +115,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_ray_serve(args: argparse.Namespace) -> int:
-    """``tokenmill serve --ray``: the same routes from ``--num-replicas`` engines behind Ray Serve's proxy."""
-    import dataclasses
-
-    from tokenmill.serving.ray_serve import build_deployment, run
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    engine_kwargs = dataclasses.asdict(engine_config_from_args(args))
-    app = build_deployment(
-        engine_kwargs,
-        num_replicas=args.num_replicas,
-        max_replicas=args.max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests,
-        num_cpus_per_replica=args.num_cpus_per_replica,
-        served_model_name=args.served_model_name,
-        max_queue=args.max_queue,
-    )
-    logger.info("serving %d replica(s) on Ray Serve at http://%s:%d", args.num_replicas, args.host, args.port)
-    run(app, host=args.host, port=args.port, blocking=True)
-    return 0
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Build everything from ``args`` and serve until a signal; 0 after a clean shutdown."""
-    if args.ray:
-        return _run_ray_serve(args)
+    if (
+        args.ray
+    ):  # serving/ sits above server/: the replicas are started from there (tokenmill.cli dispatches)
+        raise ValueError(
+            "--ray: start the replicas with `tokenmill serve --ray` (tokenmill.serving.ray_serve)"
+        )
     import uvicorn
 
     from tokenmill import system_info

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from tokenmill.errors import BadRequestError
 from tokenmill.generation_defaults import for_request
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -34,14 +35,8 @@ MAX_STOP_TOKEN_IDS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class ParamError(ValueError):
-    """A bad request parameter: becomes a 400 with ``param`` set."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+# A bad request parameter (a 400 with ``param`` set): the library's own error, under the name the routes use.
+ParamError = BadRequestError
 
 
 # --- requests ---------------------------------------------------------------------------------------
@@ -608,16 +603,12 @@ def to_sampling_params(
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
             structured_outputs=structured,
         )
-    except ValueError as exc:
-        message = str(exc)
-        field = message.split(" ", 1)[0].rstrip(":")
-        if field == "stop":  # "stop strings must be ..."
-            param = "stop"
-        elif field in SamplingParams.__dataclass_fields__:
+    except BadRequestError as exc:  # SamplingParams names its own field; the request may call it otherwise
+        field = exc.param
+        param = field
+        if field in SamplingParams.__dataclass_fields__:
             names = _CHAT_PARAM_NAMES if chat else _COMPLETION_PARAM_NAMES
             param = names.get(field, field)
             if chat and field == "max_tokens":
                 param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"  # type: ignore[attr-defined]
-        else:
-            param = None
-        raise ParamError(message, param=param) from None
+        raise ParamError(exc.message, param=param) from None

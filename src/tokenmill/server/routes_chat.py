@@ -21,6 +21,7 @@ from tokenmill.server.common import (
     ClientGone,
     ServerState,
     SSEResponse,
+    api_error,
     check_model,
     context_length_error,
     failure_for,
@@ -133,7 +134,7 @@ async def create_chat_completion(request: Request) -> Response:
             constraint = StructuredOutputsParams(grammar=grammar)
             engine_prompts = [(ids, replace(p, structured_outputs=constraint)) for ids, p in engine_prompts]
     except ParamError as exc:
-        raise ApiError.from_param_error(exc) from None
+        raise api_error(exc) from None
 
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     structured_param = "tools" if req.forces_tool_call else req.structured()[1]

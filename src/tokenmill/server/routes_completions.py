@@ -22,6 +22,7 @@ from tokenmill.server.common import (
     ClientGone,
     ServerState,
     SSEResponse,
+    api_error,
     check_model,
     context_length_error,
     failure_for,
@@ -87,7 +88,7 @@ async def create_completion(request: Request) -> Response:
                 )
                 engine_prompts.append((prompt.token_ids, params))
     except ParamError as exc:
-        raise ApiError.from_param_error(exc) from None
+        raise api_error(exc) from None
 
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     group: RequestGroup = await submit(

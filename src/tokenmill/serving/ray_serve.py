@@ -14,7 +14,9 @@ same command on the head. Ray is an optional extra: ``pip install 'tokenmill[ray
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Sequence
 from typing import Any
 
 RAY_EXTRA_HINT = "Ray Serve is an optional extra: pip install 'tokenmill[ray]' (or 'ray[serve]')"
@@ -117,3 +119,43 @@ def run(
         ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     return serve.run(app, name="tokenmill", route_prefix="/", blocking=blocking)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``tokenmill serve --ray``: the same routes from ``--num-replicas`` engines behind Ray Serve's proxy."""
+    import dataclasses
+    import logging
+
+    from tokenmill.engine_args import engine_config_from_args
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine_kwargs = dataclasses.asdict(engine_config_from_args(args))
+    app = build_deployment(
+        engine_kwargs,
+        num_replicas=args.num_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        num_cpus_per_replica=args.num_cpus_per_replica,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+    )
+    logging.getLogger("tokenmill.server").info(
+        "serving %d replica(s) on Ray Serve at http://%s:%d", args.num_replicas, args.host, args.port
+    )
+    run(app, host=args.host, port=args.port, blocking=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tokenmill.serving.ray_serve`` takes ``tokenmill serve``'s arguments (``--ray`` implied)."""
+    from tokenmill.server.launch import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="tokenmill serve --ray", description=__doc__)
+    add_serve_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
