@@ -9,6 +9,7 @@ off, as in vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 prometheus_client.disable_created_metrics()
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -103,6 +106,63 @@ class EngineSnapshot:
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     idle_rows_by_reason: Mapping[str, int] = field(default_factory=dict)
+    num_failed_steps: int = 0
+
+
+# Totals the engine itself keeps (EngineStats), exported as they are by _EngineTotals: (name, help, field of
+# the snapshot). The name is without "_total", which prometheus_client adds to a counter's sample.
+ENGINE_TOTALS = (
+    ("vllm:num_preemptions", "Preemptions by recompute.", "num_preemptions"),
+    (
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        "num_prefix_queried_tokens",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prompt tokens served from the prefix cache (not computed).",
+        "num_prefix_hit_tokens",
+    ),
+    ("tokenmill:iterations", "Engine iterations that computed at least one row.", "num_iterations"),
+    ("tokenmill:token_slots", "Row-iterations computed.", "num_token_slots"),
+    ("tokenmill:recomputed_tokens", "Tokens computed again after a preemption.", "num_recomputed_tokens"),
+    (
+        "tokenmill:failed_steps",
+        "Steps whose forward raised (their requests ended with an error).",
+        "num_failed_steps",
+    ),
+)
+
+
+def _monotonic(previous: EngineSnapshot, new: EngineSnapshot) -> EngineSnapshot:
+    """``new`` with each total no smaller than it was: a counter never goes down, even if a snapshot lags."""
+    totals = {attr: max(getattr(previous, attr), getattr(new, attr)) for _, _, attr in ENGINE_TOTALS}
+    idle = dict(previous.idle_rows_by_reason)
+    for reason, n in new.idle_rows_by_reason.items():
+        idle[reason] = max(idle.get(reason, 0), n)
+    return dataclasses.replace(new, idle_rows_by_reason=idle, **totals)
+
+
+class _EngineTotals(Collector):
+    """The engine's own counters, read from its latest snapshot at each scrape: nothing is mirrored."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        snap, name = self.metrics.snapshot, self.metrics.model_name
+        for metric, help_text, attr in ENGINE_TOTALS:
+            family = CounterMetricFamily(metric, help_text, labels=["model_name"])
+            family.add_metric([name], float(getattr(snap, attr)))
+            yield family
+        idle = CounterMetricFamily(
+            "tokenmill:idle_rows",
+            "Rows that could have run but did not, by reason.",
+            labels=["model_name", "reason"],
+        )
+        for reason, n in sorted(snap.idle_rows_by_reason.items()):
+            idle.add_metric([name, reason], float(n))
+        yield idle
 
 
 class ServerMetrics:
@@ -112,7 +172,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.lock = threading.Lock()
-        self._totals: dict[tuple[str, tuple[str, ...]], float] = {}  # mirrored engine totals, per series
+        self.snapshot = EngineSnapshot()  # the engine's latest, read by _EngineTotals at each scrape
+        self.registry.register(_EngineTotals(self))
         m = ("model_name",)
         self.num_requests_running = self._gauge(
             "vllm:num_requests_running", "Requests in the running batch.", m
@@ -123,15 +184,8 @@ class ServerMetrics:
         self.kv_cache_usage_perc = self._gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", m
         )
-        self.num_preemptions = self._counter("vllm:num_preemptions_total", "Preemptions by recompute.", m)
         self.prompt_tokens = self._counter("vllm:prompt_tokens_total", "Prompt tokens prefilled.", m)
         self.generation_tokens = self._counter("vllm:generation_tokens_total", "Tokens generated.", m)
-        self.prefix_cache_queries = self._counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m
-        )
-        self.prefix_cache_hits = self._counter(
-            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (not computed).", m
-        )
         self.request_success = self._counter(
             "vllm:request_success_total",
             "Requests finished, by finish reason.",
@@ -164,18 +218,6 @@ class ServerMetrics:
         self.occupancy = self._gauge(
             "tokenmill:batch_occupancy", "Rows computed / rows possible over all iterations.", m
         )
-        self.iterations = self._counter(
-            "tokenmill:iterations_total", "Engine iterations that computed at least one row.", m
-        )
-        self.token_slots = self._counter("tokenmill:token_slots_total", "Row-iterations computed.", m)
-        self.recomputed_tokens = self._counter(
-            "tokenmill:recomputed_tokens_total", "Tokens computed again after a preemption.", m
-        )
-        self.idle_rows = self._counter(
-            "tokenmill:idle_rows_total",
-            "Rows that could have run but did not, by reason.",
-            ("model_name", "reason"),
-        )
         self.in_flight = self._gauge(
             "tokenmill:num_requests_in_flight", "Engine requests accepted and not yet finished.", m
         )
@@ -184,19 +226,12 @@ class ServerMetrics:
             "HTTP requests refused with 429 because the queue was full.",
             m,
         )
-        self.failed_steps = self._counter(
-            "tokenmill:failed_steps_total",
-            "Steps whose forward raised (their requests ended with an error).",
-            m,
-        )
         self.engine_alive = self._gauge("tokenmill:engine_loop_alive", "1 while the engine loop runs.", m)
         self.free_blocks = self._gauge("tokenmill:kv_free_blocks", "Free blocks in the KV pool.", m)
         self.total_blocks = self._gauge("tokenmill:kv_total_blocks", "Blocks in the KV pool.", m)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)  # every series exists, at 0, from the start
-        for counter in (self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.iterations,
-                        self.token_slots, self.recomputed_tokens, self.queue_rejections,
-                        self.failed_steps, self.prefix_cache_queries, self.prefix_cache_hits):  # fmt: skip
+        for counter in (self.prompt_tokens, self.generation_tokens, self.queue_rejections):
             counter.labels(model_name)
         for hist in (self.ttft, self.itl, self.e2e, self.queue_time):
             hist.labels(model_name)
@@ -213,14 +248,6 @@ class ServerMetrics:
     ) -> Histogram:
         return Histogram(name, help, labels, buckets=buckets, registry=self.registry)
 
-    def _mirror(self, counter: Counter, labels: tuple[str, ...], total: float) -> None:
-        """Bring a counter up to a total the engine keeps (its stats); a total never shrinks."""
-        key = (counter._name, labels)
-        delta = float(total) - self._totals.get(key, 0.0)
-        if delta > 0:
-            counter.labels(*labels).inc(delta)
-            self._totals[key] = float(total)
-
     def value(self, name: str, **labels: str) -> float:
         """One sample's current value (0 when absent), for tests and the engine's own checks."""
         value = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
@@ -232,19 +259,13 @@ class ServerMetrics:
     ) -> None:
         labels = (self.model_name,)
         with self.lock:
+            self.snapshot = _monotonic(
+                self.snapshot, dataclasses.replace(snap, num_failed_steps=num_failed_steps)
+            )
             self.num_requests_running.labels(*labels).set(snap.num_running)
             self.num_requests_waiting.labels(*labels).set(snap.num_waiting)
             self.kv_cache_usage_perc.labels(*labels).set(snap.kv_cache_usage)
-            self._mirror(self.num_preemptions, labels, snap.num_preemptions)
             self.occupancy.labels(*labels).set(snap.occupancy)
-            self._mirror(self.iterations, labels, snap.num_iterations)
-            self._mirror(self.token_slots, labels, snap.num_token_slots)
-            self._mirror(self.recomputed_tokens, labels, snap.num_recomputed_tokens)
-            self._mirror(self.failed_steps, labels, num_failed_steps)
-            self._mirror(self.prefix_cache_queries, labels, snap.num_prefix_queried_tokens)
-            self._mirror(self.prefix_cache_hits, labels, snap.num_prefix_hit_tokens)
-            for reason, n in snap.idle_rows_by_reason.items():
-                self._mirror(self.idle_rows, (self.model_name, reason), n)
             self.in_flight.labels(*labels).set(num_in_flight)
             self.engine_alive.labels(*labels).set(1.0 if alive else 0.0)
             self.free_blocks.labels(*labels).set(snap.num_free_blocks)
