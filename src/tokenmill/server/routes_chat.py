@@ -4,35 +4,27 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.server.async_engine import ChoiceResult, RequestGroup, collect
+from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
-    SSE_DONE,
-    ApiError,
-    ClientGone,
     ServerState,
-    SSEResponse,
     api_error,
     check_model,
     context_length_error,
-    failure_for,
     get_state,
     parse_body,
     read_json_body,
     request_body,
     sse,
-    stream_failure,
     submit,
-    until_disconnect,
 )
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -52,6 +44,7 @@ from tokenmill.server.protocol import (
     UsageInfo,
     to_sampling_params,
 )
+from tokenmill.server.respond import respond
 from tokenmill.server.tool_calls import (
     HERMES_TAGS,
     fallback_system_prompt,
@@ -142,16 +135,7 @@ async def create_chat_completion(request: Request) -> Response:
         state, engine_prompts, chat_id, req.cache_salt, structured_param=structured_param
     )
     view = _ChatView(state, req, chat_id, len(prompt_ids))
-    if req.stream:
-        return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)
-    try:
-        results = await until_disconnect(request, collect(group), group.abort)
-    except ClientGone:
-        return Response(status_code=499)
-    failure = failure_for(state.async_engine, group, results)
-    if failure is not None:
-        raise failure
-    return JSONResponse(view.response(results).model_dump())
+    return await respond(request, state, view, group, bool(req.stream))
 
 
 class _ChatView:
@@ -170,6 +154,18 @@ class _ChatView:
         self.tool_names = {t["function"]["name"] for t in req.active_tools()}
         self.buffers: dict[int, str] = {}  # with tools: each choice's text so far (calls are parsed whole)
         self.sent: dict[int, int] = {}  # ... and how much of it went out as content
+
+    # --- respond.View ----------------------------------------------------------------------------------
+    def opening_events(self, num_choices: int) -> list[str]:
+        return [self.role_chunk(index) for index in range(num_choices)]
+
+    def event(self, index: int, delta: RequestDelta) -> str | None:
+        self.saw(delta)
+        choice = self.delta_choice(index, delta)
+        return None if choice is None else self.chunk(choice)
+
+    def usage_event(self, num_completion_tokens: int) -> str:
+        return self.usage_chunk(num_completion_tokens)
 
     def token_str(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -303,28 +299,3 @@ class _ChatView:
             usage=self.usage(num_completion_tokens),
         )
         return sse(chunk)
-
-
-async def _stream(view: _ChatView, group: RequestGroup, state: ServerState) -> AsyncIterator[str]:
-    num_completion_tokens = 0
-    try:
-        for index in range(len(group.request_ids)):
-            yield view.role_chunk(index)
-        async for index, delta in group.stream():
-            failure = stream_failure(state.async_engine, group, delta)
-            if failure is not None:
-                group.abort()
-                yield failure.sse_event()
-                break
-            num_completion_tokens += len(delta.new_token_ids)
-            view.saw(delta)
-            choice = view.delta_choice(index, delta)
-            if choice is not None:
-                yield view.chunk(choice)
-        else:
-            if view.include_usage:
-                yield view.usage_chunk(num_completion_tokens)
-    except Exception as exc:  # a bug while formatting: tell the client, then end the stream properly
-        group.abort()
-        yield ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").sse_event()
-    yield SSE_DONE

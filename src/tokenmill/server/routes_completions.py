@@ -5,35 +5,27 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tokenmill.outputs import Logprob, RequestDelta
-from tokenmill.server.async_engine import ChoiceResult, RequestGroup, collect
+from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
-    SSE_DONE,
-    ApiError,
-    ClientGone,
     ServerState,
-    SSEResponse,
     api_error,
     check_model,
     context_length_error,
-    failure_for,
     get_state,
     parse_body,
     read_json_body,
     request_body,
     sse,
-    stream_failure,
     submit,
-    until_disconnect,
 )
 from tokenmill.server.protocol import (
     CompletionChoice,
@@ -46,6 +38,7 @@ from tokenmill.server.protocol import (
     UsageInfo,
     to_sampling_params,
 )
+from tokenmill.server.respond import respond
 
 router = APIRouter()
 
@@ -95,16 +88,7 @@ async def create_completion(request: Request) -> Response:
         state, engine_prompts, completion_id, req.cache_salt, structured_param=req.structured()[1]
     )
     view = _View(state, req, completion_id, [p for p in prompts for _ in range(n)])
-    if req.stream:
-        return SSEResponse(_stream(view, group, state), on_disconnect=group.abort)
-    try:
-        results = await until_disconnect(request, collect(group), group.abort)
-    except ClientGone:
-        return Response(status_code=499)
-    failure = failure_for(state.async_engine, group, results)
-    if failure is not None:
-        raise failure
-    return JSONResponse(view.response(results).model_dump())
+    return await respond(request, state, view, group, bool(req.stream))
 
 
 def _prompts(req: CompletionRequest, state: ServerState) -> list[_Prompt]:
@@ -175,6 +159,22 @@ class _View:
             len(p.token_ids) for i, p in enumerate(prompts) if i == 0 or p is not prompts[i - 1]
         )
         self.cached_by_choice = [0] * len(prompts)
+        # streaming, per choice: its legacy logprobs so far, and whether its first delta went out
+        self.builders = [_LogprobBuilder() for _ in prompts]
+        self.started = [False] * len(prompts)
+
+    # --- respond.View ----------------------------------------------------------------------------------
+    def opening_events(self, num_choices: int) -> list[str]:
+        return []
+
+    def event(self, index: int, delta: RequestDelta) -> str | None:
+        self.saw(index, delta.num_cached_tokens)
+        choice = self.delta_choice(index, delta, not self.started[index], self.builders[index])
+        self.started[index] = True
+        return None if choice is None else self.chunk(choice)
+
+    def usage_event(self, num_completion_tokens: int) -> str:
+        return self.usage_chunk(num_completion_tokens)
 
     def saw(self, index: int, num_cached_tokens: int) -> None:
         self.cached_by_choice[index] = max(self.cached_by_choice[index], num_cached_tokens)
@@ -288,29 +288,3 @@ class _View:
             finish_reason=delta.finish_reason if delta.finished else None,
             stop_reason=delta.stop_reason if delta.finished else None,
         )
-
-
-async def _stream(view: _View, group: RequestGroup, state: ServerState) -> AsyncIterator[str]:
-    builders = [_LogprobBuilder() for _ in group.request_ids]
-    started = [False] * len(group.request_ids)
-    num_completion_tokens = 0
-    try:
-        async for index, delta in group.stream():
-            failure = stream_failure(state.async_engine, group, delta)
-            if failure is not None:
-                group.abort()
-                yield failure.sse_event()
-                break
-            num_completion_tokens += len(delta.new_token_ids)
-            view.saw(index, delta.num_cached_tokens)
-            choice = view.delta_choice(index, delta, not started[index], builders[index])
-            started[index] = True
-            if choice is not None:
-                yield view.chunk(choice)
-        else:
-            if view.include_usage:
-                yield view.usage_chunk(num_completion_tokens)
-    except Exception as exc:  # a bug while formatting: tell the client, then end the stream properly
-        group.abort()
-        yield ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").sse_event()
-    yield SSE_DONE
