@@ -33,8 +33,8 @@ class TokenmillError(Exception):
     """Every error tokenmill raises on purpose."""
 
 
-class BadRequestError(TokenmillError, ValueError):
-    """Bad input from the caller; ``param`` names the request field, ``code`` an optional machine code."""
+class _AboutAField(TokenmillError):
+    """An error about one request field: ``param`` names it, ``code`` is an optional machine code."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -43,14 +43,12 @@ class BadRequestError(TokenmillError, ValueError):
         self.code = code
 
 
-class NotFoundError(TokenmillError, LookupError):
-    """What was asked for does not exist; ``param`` names the field that named it."""
+class BadRequestError(_AboutAField, ValueError):
+    """Bad input from the caller."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+
+class NotFoundError(_AboutAField, LookupError):
+    """What was asked for does not exist."""
 
 
 class QueueFullError(TokenmillError):
