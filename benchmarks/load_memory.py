@@ -1,5 +1,5 @@
 """Load time and memory of a model: ``python -m benchmarks.load_memory [MODEL]`` (a path or a pulled name;
-default the embedded one). Prints the wall time of ``LLM(MODEL)``, the RSS it added (``/proc/self/status``),
+default the embedded one). Prints the wall time of ``LLM(MODEL)`` (torch already imported), the RSS it added (``/proc/self/status``),
 the weights' and the KV pool's bytes, then the RSS after one 8-token greedy generate (weights read from a
 memory-mapped cache count once their pages are touched). Run it twice: the first load of a GGUF writes the
 blocks cache, the second maps it.
@@ -20,7 +20,10 @@ def rss_mb() -> float:
 
 def main() -> None:
     import tokenmill  # noqa: F401  (process settings before torch)
+    import torch  # noqa: F401  (imported before the baseline: the libraries are not the model's bytes)
+
     from tokenmill import LLM, SamplingParams
+    from tokenmill.engine import Engine  # noqa: F401
 
     model = sys.argv[1] if len(sys.argv) > 1 else None
     before = rss_mb()
