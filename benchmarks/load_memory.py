@@ -19,7 +19,7 @@ def rss_mb() -> float:
 
 
 def main() -> None:
-    import tokenmill  # noqa: F401  (process settings before torch)
+    import tokenmill  # noqa: F401, I001  (process settings before torch: the order matters)
     import torch  # noqa: F401  (imported before the baseline: the libraries are not the model's bytes)
 
     from tokenmill import LLM, SamplingParams
