@@ -134,16 +134,20 @@ def prefill_then_decode(loaded: LoadedModel, prompts: list[list[int]], num_decod
 PROMPTS = [[3, 7, 1, 9, 30], [5] * 13, [40, 41, 42]]
 
 
-def test_kept_blocks_match_the_dequantized_twin(kernel_variant, tmp_path: Path) -> None:
-    path = tmp_path / "tiny-mixed.gguf"
-    write_gguf(path, TYPES)
+def kept_and_twin(path: Path, types: dict[str, str]) -> tuple[LoadedModel, LoadedModel]:
+    """A tiny GGUF of ``types`` loaded with its blocks kept, and dequantized at load (the reference)."""
+    write_gguf(path, types)
     kept = load_model(str(path), device="cpu")
     assert kept.quantization == "gguf"
+    return kept, load_model(str(path), device="cpu", quantization="fp32")
+
+
+def test_kept_blocks_match_the_dequantized_twin(kernel_variant, tmp_path: Path) -> None:
+    kept, twin = kept_and_twin(tmp_path / "tiny-mixed.gguf", TYPES)
     qkv = kept.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and qkv.weight.type_summary() == "4bit/g32+4bit/g32+8bit/g16"
     assert isinstance(kept.model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(kept.model.lm_head, QuantizedLinear)
-    twin = load_model(str(path), device="cpu", quantization="fp32")
     assert twin.quantization == "fp32" and not isinstance(twin.model.lm_head, QuantizedLinear)
     if kernel_variant.isa() != "base":
         assert kept.model.decode_stack is not None
@@ -170,14 +174,10 @@ LOW_BIT_TYPES = {
 
 
 def test_low_bit_types_match_the_dequantized_twin(kernel_variant, tmp_path: Path) -> None:
-    path = tmp_path / "tiny-low-bit.gguf"
-    write_gguf(path, LOW_BIT_TYPES)
-    kept = load_model(str(path), device="cpu")
-    assert kept.quantization == "gguf"
+    kept, twin = kept_and_twin(tmp_path / "tiny-low-bit.gguf", LOW_BIT_TYPES)
     qkv = kept.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and qkv.weight.type_summary() == "8bit/g32+8bit/g32+8bit/g32"
     assert kept.model.model.layers[0].mlp.gate_up_proj.weight.type_summary() == "8bit/g16+8bit/g32"
-    twin = load_model(str(path), device="cpu", quantization="fp32")
     for step, (a, b) in enumerate(
         zip(prefill_then_decode(kept, PROMPTS, 3), prefill_then_decode(twin, PROMPTS, 3))
     ):
