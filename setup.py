@@ -1,8 +1,8 @@
 """Builds tokenmill's C++ CPU kernels at install, once per instruction-set variant (metadata: pyproject.toml).
 
-``src/tokenmill/model/csrc/cpu_ops.cpp`` is compiled three times, into ``tokenmill._C_avx512``, ``_C_avx2`` and
+``src/tokenmill/model/cpu/csrc/cpu_ops.cpp`` is compiled three times, into ``tokenmill._C_avx512``, ``_C_avx2`` and
 ``_C_base``, each with its own flags (``csrc/simd.h`` picks the vector body from them); at import,
-``tokenmill.model.cpu_kernels`` loads the best variant the CPU can run. No compiler is needed after install. A
+``tokenmill.model.cpu.kernels`` loads the best variant the CPU can run. No compiler is needed after install. A
 variant that fails to compile fails the build. On a CPU that is not x86-64 only the portable ``base`` variant is
 built. ``TOKENMILL_VARIANTS=avx2,base`` (say) builds a subset, for a quicker development build.
 """
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent
 # The variants, their flags and the source digest have one definition, shared with the run-time loader; loaded
 # by path, since the package itself is not importable before it is built.
 _spec = importlib.util.spec_from_file_location(
-    "kernel_variants", ROOT / "src/tokenmill/model/kernel_variants.py"
+    "kernel_variants", ROOT / "src/tokenmill/model/cpu/variants.py"
 )
 assert _spec is not None and _spec.loader is not None
 kv = importlib.util.module_from_spec(_spec)

@@ -33,8 +33,8 @@ importlib.import_module("tokenmill")  # its OpenMP setting must be in place befo
 import gguf  # noqa: E402
 import torch  # noqa: E402
 
-from tokenmill.model import kernel_variants  # noqa: E402
-from tokenmill.model.cpu_kernels import load_variant  # noqa: E402
+from tokenmill.model.cpu import variants as kernel_variants  # noqa: E402
+from tokenmill.model.cpu.kernels import load_variant  # noqa: E402
 from tokenmill.model.gguf_blocks import QuantizedWeight, to_groups  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down

@@ -22,8 +22,8 @@ importlib.import_module("tokenmill")  # its OpenMP setting must be in place befo
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tokenmill.model import kernel_variants  # noqa: E402
-from tokenmill.model.cpu_kernels import load_variant  # noqa: E402
+from tokenmill.model.cpu import variants as kernel_variants  # noqa: E402
+from tokenmill.model.cpu.kernels import load_variant  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 

@@ -9,8 +9,8 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.tokenmill-setup
-want="$(cat pyproject.toml setup.py scripts/setup.sh src/tokenmill/model/kernel_variants.py \
-  src/tokenmill/model/csrc/*.h src/tokenmill/model/csrc/*.cpp | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml setup.py scripts/setup.sh src/tokenmill/model/cpu/variants.py \
+  src/tokenmill/model/cpu/csrc/*.h src/tokenmill/model/cpu/csrc/*.cpp | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && ls src/tokenmill/_C_base.*.so >/dev/null 2>&1; then
   exit 0
 fi

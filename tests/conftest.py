@@ -10,7 +10,7 @@ from types import ModuleType  # noqa: E402
 import pytest  # noqa: E402
 
 import tokenmill  # noqa: F401
-from tokenmill.model import kernel_variants  # noqa: E402  (torch-free)
+from tokenmill.model.cpu import variants as kernel_variants  # noqa: E402  (torch-free)
 
 # Every kernel variant this CPU can execute: an AVX-512 machine tests its AVX2 and portable builds too.
 RUNNABLE_VARIANTS = kernel_variants.runnable_variants(kernel_variants.read_cpu_info()[1])
@@ -37,7 +37,7 @@ def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 
     A variant this CPU runs that is not built fails the test: a kernel that does not compile is a failure.
     """
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.cpu import kernels as cpu_kernels
 
     state = cpu_kernels.loaded()
     asan_dir = os.environ.get(ASAN_DIR_ENV)

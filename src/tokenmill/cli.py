@@ -97,6 +97,7 @@ def _run_info(args: argparse.Namespace) -> int:
             "weight_bytes": loaded.weight_bytes,
             "summary": loaded.describe_weights(),
             "weight_breakdown_bytes": weight_breakdown(loaded.model),
+            "compute": loaded.model.compute_backend().describe(),
         }
     print(system_info.render(info, as_json=args.json))
     return 0

@@ -136,11 +136,16 @@ class Engine:
             self.tp_group = TensorParallelGroup(
                 loaded, load_kwargs, tp, self.num_total_blocks, config.block_size
             )
+        self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
         self.runner = ModelRunner(
-            loaded, self.num_total_blocks, config.block_size, seed=config.seed, tp_group=self.tp_group
+            loaded,
+            self.num_total_blocks,
+            config.block_size,
+            self._requests,
+            seed=config.seed,
+            tp_group=self.tp_group,
         )
         self.stats = EngineStats()
-        self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
         self._ids = itertools.count()
@@ -216,16 +221,17 @@ class Engine:
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             prompt=text,
             cache_salt=cache_salt,
-        )
-        if params.structured_outputs is not None:
             # a bad constraint raises ValueError here, before the request is queued
-            request.grammar = self._structured().compile(params.structured_outputs)
-        request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
+            grammar=None
+            if params.structured_outputs is None
+            else self._structured().compile(params.structured_outputs),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            ),
         )
         self.scheduler.add_request(request)  # raises ValueError when it could never fit
         self._requests[request_id] = request
@@ -263,8 +269,7 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        request.finished_time_s = self.clock()
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, now_s=self.clock())
         self._pending_finished.append(request)
         return True
 
@@ -309,8 +314,7 @@ class Engine:
         touched = self.scheduler.update_from_output(scheduler_output, runner_output, now_s)
         self._advance_grammars(touched, now_s)
         for request_id, entries in runner_output.prompt_logprobs.items():
-            request = self._requests[request_id]
-            request.prompt_logprobs = (request.prompt_logprobs or []) + list(entries)
+            self._requests[request_id].add_prompt_logprobs(entries)
         return self._report(result, touched, now_s)
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:
@@ -320,34 +324,41 @@ class Engine:
         for request in touched:
             if request.grammar is None or request.is_finished:
                 continue
-            outcome = advance(request.grammar, request.output_token_ids[request.num_grammar_tokens :])
-            request.num_grammar_tokens = request.num_output_tokens
+            outcome = advance(request.grammar, request.take_grammar_token_ids())
             if outcome == "stop":
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, now_s=now_s)
             elif outcome is not None:
-                request.error, request.error_kind = outcome, CONSTRAINT_FAILED
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED, now_s=now_s)
+                self.scheduler.finish_request(
+                    request.request_id,
+                    RequestStatus.FINISHED_ABORTED,
+                    now_s=now_s,
+                    error=(CONSTRAINT_FAILED, outcome),
+                )
 
     def _report(self, result: StepResult, touched: list[Request], now_s: float) -> StepResult:
         """A delta for every request the step touched or that was aborted since the last one."""
         seen: set[str] = set()
+        new_output: list[tuple[Request, list[int], str, int]] = []
         # `touched` includes requests the scheduler itself ended (preemption bound); aborts come from abort().
         for request in [*touched, *self._pending_finished]:
             if request.request_id in seen or request.request_id not in self._requests:
                 continue
             seen.add(request.request_id)
-            result.deltas.append(self._make_delta(request, now_s))
+            new_output.append(self._detokenize(request))
+        self._pending_finished.clear()
+        # every decision is taken (stop strings included): the deltas only read
+        for request, new_ids, new_text, num_logprobs_before in new_output:
+            result.deltas.append(self._make_delta(request, new_ids, new_text, num_logprobs_before))
             if request.is_finished:
                 result.finished.append(self._finish(request))
-        self._pending_finished.clear()
         self.stats.add_step(result.record, sum(len(d.new_token_ids) for d in result.deltas))
         self.stats.num_prefix_evicted_blocks = self.kv_manager.pool.num_evicted_blocks
         self.stats.num_finished += len(result.finished)
         return result
 
-    def _make_delta(self, request: Request, now_s: float) -> RequestDelta:
-        first_delta = request.request_id not in self._announced
-        self._announced.add(request.request_id)
+    def _detokenize(self, request: Request) -> tuple[Request, list[int], str, int]:
+        """The request's new tokens and their text; a stop string in it ends the request (the scheduler's
+        ``finish_request``). Returns what the delta reports: (request, new ids, new text, logprobs before)."""
         num_logprobs_before = request.num_returned_tokens
         new_ids = request.take_new_token_ids()
         detok: IncrementalDetokenizer = request.detokenizer
@@ -356,12 +367,16 @@ class Engine:
             self.scheduler.finish_request(
                 request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=detok.stop_string
             )
-        if request.is_finished:
-            if request.finished_time_s is None:
-                request.finished_time_s = now_s
-            if detok.stop_string is None:
-                new_text += detok.flush()
-        request.output_text = detok.text
+        if request.is_finished and detok.stop_string is None:
+            new_text += detok.flush()
+        request.set_output_text(detok.text)
+        return request, new_ids, new_text, num_logprobs_before
+
+    def _make_delta(
+        self, request: Request, new_ids: list[int], new_text: str, num_logprobs_before: int
+    ) -> RequestDelta:
+        first_delta = request.request_id not in self._announced
+        self._announced.add(request.request_id)
         new_logprobs = None
         if request.sampling_params.logprobs is not None:
             new_logprobs = [_to_logprob(t) for t in request.output_logprobs[num_logprobs_before:]]

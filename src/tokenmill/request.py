@@ -64,7 +64,10 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 
 @dataclass
 class Request:
-    """All the state of one request. Other modules read it and change it only through its methods.
+    """All the state of one request. Other modules read it and change it only through its methods, each field
+    group with one writer: the status, the tokens and their accounting, the error and the timestamps are the
+    scheduler's (``core/scheduler.py``); the block fields the KV-cache manager's; the output side (detokenized
+    text, logprobs, the grammar's progress) the engine's, through the methods at the end.
 
     Token accounting (``num_tokens = len(prompt) + len(output)``)::
 
@@ -100,7 +103,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # set when the engine, not the caller, aborted it
     error_kind: str | None = None  # with error: one of tokenmill.errors.ERROR_KINDS
-    # Set by the engine's output side: text so far and logprobs per output token (opaque to the scheduler).
+    # The output side: the text so far (the engine's), logprobs per output token (appended with each token).
     output_text: str = ""
     output_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
@@ -159,16 +162,65 @@ class Request:
         """Tokens whose KV is not yet in the cache (the whole sequence again after a preemption)."""
         return self.num_tokens - self.num_computed_tokens
 
-    def append_output_token(self, token_id: int, now_s: float) -> None:
+    # --- written by the scheduler --------------------------------------------------------------
+    def set_num_computed(self, num_tokens: int) -> None:
+        """At admission: the cached prefix counts as computed (0 again when the request does not fit)."""
+        self.num_computed_tokens = num_tokens
+
+    def record_cache_hit(self) -> None:
+        """The first admission's cached prefix is what usage reports as cached (a re-admission's is not)."""
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = self.num_computed_tokens
+
+    def advance(self, num_tokens: int) -> None:
+        """A forward wrote the K/V of ``num_tokens`` more tokens."""
+        self.num_computed_tokens += num_tokens
+
+    def drop_computed(self) -> None:
+        """Preempted by recompute: nothing of it stays computed."""
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+
+    def set_error(self, kind: str, message: str) -> None:
+        """The engine, not the caller, ends it: ``kind`` is one of tokenmill.errors.ERROR_KINDS."""
+        self.error, self.error_kind = message, kind
+
+    def finish(self, status: RequestStatus, stop_reason: int | str | None, now_s: float | None) -> None:
+        self.transition(status)  # RuntimeError when it is already finished: ending twice is a bug
+        self.stop_reason = stop_reason
+        self.finished_time_s = now_s if now_s is not None else self.last_token_time_s
+
+    def stamp_finished(self, now_s: float) -> None:
+        """For a request ended where no clock was at hand (``schedule()``): the time it is reported."""
+        if self.finished_time_s is None:
+            self.finished_time_s = now_s
+
+    def append_output_token(self, token_id: int, now_s: float, logprobs: Any = None) -> None:
+        """A sampled token, with its logprob entry when the request asked for logprobs."""
         if self.status is not RequestStatus.RUNNING:
             raise RuntimeError(f"request {self.request_id!r}: token appended while {self.status.name}")
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         if self.first_token_time_s is None:
             self.first_token_time_s = now_s
         self.last_token_time_s = now_s
 
+    # --- written by the engine's output side -----------------------------------------------------
     def take_new_token_ids(self) -> list[int]:
         """Output tokens not yet handed to the caller; marks them handed."""
         new = self.output_token_ids[self.num_returned_tokens :]
         self.num_returned_tokens = len(self.output_token_ids)
         return new
+
+    def take_grammar_token_ids(self) -> list[int]:
+        """Output tokens the grammar's matcher has not consumed yet; marks them consumed."""
+        new = self.output_token_ids[self.num_grammar_tokens :]
+        self.num_grammar_tokens = len(self.output_token_ids)
+        return new
+
+    def add_prompt_logprobs(self, entries: list[Any]) -> None:
+        self.prompt_logprobs = (self.prompt_logprobs or []) + list(entries)
+
+    def set_output_text(self, text: str) -> None:
+        self.output_text = text

@@ -14,7 +14,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     import tokenmill
-    from tokenmill.model.cpu_kernels import kernel_summary
+    from tokenmill.model.cpu.kernels import kernel_summary
 
     info: dict[str, Any] = {
         "tokenmill": tokenmill.__version__,
@@ -57,6 +57,9 @@ def render(info: dict[str, Any], as_json: bool = False) -> str:
     ]
     if "model" in info:
         lines.append(f"model: {info['model']['source']}: {info['model']['summary']}")
+        compute = info["model"].get("compute") or {}
+        if compute:
+            lines.append("compute: " + ", ".join(f"{key} {value}" for key, value in compute.items()))
         breakdown = info["model"].get("weight_breakdown_bytes") or {}
         for kind, nbytes in sorted(breakdown.items(), key=lambda kv: -kv[1]):
             if kind != "mapped":

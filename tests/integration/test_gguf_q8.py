@@ -30,7 +30,7 @@ def test_same_bytes_as_the_exact_path(embedded_q8, embedded_loaded) -> None:
             proj.weight.dequantize(), exact_modules[f"model.layers.0.{name}"].weight.dequantize()
         )
     assert embedded_q8.model.lm_head.weight.type_summary() == "8bit/g32"  # Q8_0: no quad layout, exact
-    assert embedded_q8.model.decode_stack is not None
+    assert embedded_q8.model.backend.decode_stack is not None
 
 
 def _logits(loaded, prompts):
@@ -56,11 +56,11 @@ def test_decode_stack_equals_the_eager_forward_bit_for_bit(
     loaded = {"gguf": embedded_loaded, "gguf-q8": embedded_q8}[quantization]
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     _, with_stack = _logits(loaded, prompts)
-    stack, loaded.model.decode_stack = loaded.model.decode_stack, None
+    stack, loaded.model.backend.decode_stack = loaded.model.backend.decode_stack, None
     try:
         _, eager = _logits(loaded, prompts)
     finally:
-        loaded.model.decode_stack = stack
+        loaded.model.backend.decode_stack = stack
     assert torch.equal(with_stack, eager)
 
 

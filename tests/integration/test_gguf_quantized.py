@@ -30,7 +30,7 @@ def test_default_keeps_the_blocks_in_under_150_mb(embedded_loaded, embedded_fp32
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert model.lm_head.weight.type_summary() == "8bit/g32"  # the tied Q8_0 table
     assert model.lm_head.data.data_ptr() == model.model.embed_tokens.data.data_ptr()
-    assert model.decode_stack is not None
+    assert model.backend.decode_stack is not None
 
 
 def test_logits_match_the_dequantized_path(embedded_loaded, embedded_fp32) -> None:

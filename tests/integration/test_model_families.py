@@ -143,7 +143,7 @@ def test_logits_match_transformers(
     # several lengths in one flat batch (the longest past mistral's and phi3's windows), then step by step
     assert_flat_batch_matches(loaded.model, config, hf_model, prompts([1, 7, 30, 13, 45]), block_size=4)
     assert_incremental_matches(loaded.model, config, hf_model, prompts([40], 1)[0], 9, block_size=4)
-    assert (loaded.model.decode_stack is not None) == (kernel_variant.isa() != "base")
+    assert (loaded.model.backend.decode_stack is not None) == (kernel_variant.isa() != "base")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -15,7 +15,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenmill.model.attention import AttentionMetadata  # noqa: E402
 from tokenmill.model.config import LlamaConfig  # noqa: E402
 from tokenmill.model.llama import LlamaForCausalLM  # noqa: E402
 from tokenmill.model.loader import allocate_kv_cache, load_model  # noqa: E402
@@ -60,7 +59,7 @@ class PagedRunner:
             query_lens.append(len(tokens))
             seq_lens.append(end)
             tables.append(table)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        meta = self.model.plan_attention(query_lens, seq_lens, tables, self.block_size)
         to_device = {"dtype": torch.int64, "device": self.device}
         hidden = self.model(
             torch.tensor(input_ids, **to_device), torch.tensor(positions, **to_device), meta, self.kv_caches
@@ -171,7 +170,7 @@ def test_every_kernel_variant_matches_hf(kernel_variant, tmp_path: Path) -> None
     )
     _save_with_tokenizer(hf_model, tmp_path)
     loaded = load_model(str(tmp_path), device="cpu")  # packed for the variant the fixture loaded
-    assert (loaded.model.decode_stack is not None) == (kernel_variant.isa() != "base")
+    assert (loaded.model.backend.decode_stack is not None) == (kernel_variant.isa() != "base")
     prompts = _random_prompts([1, 7, 33, 70], 96, 4)
     assert_flat_batch_matches(loaded.model, loaded.config, hf_model, prompts, block_size=16)
     assert_incremental_matches(

@@ -84,12 +84,11 @@ def _first_layers(loaded, num_layers: int):
     """The loaded model cut to its first layers: the same tensors (no copy), a config that says so."""
     from torch import nn
 
-    from tokenmill.model.cpu_packing import attach_cpu_kernels
+    from tokenmill.model.cpu.packing import build_decode_stack
 
     model = loaded.model
     model.model.layers = nn.ModuleList(list(model.model.layers)[:num_layers])
-    model.decode_stack = None
-    attach_cpu_kernels(model)  # a decode stack over the layers kept
+    model.backend.decode_stack = build_decode_stack(model)  # over the layers kept
     config = dataclasses.replace(loaded.config, num_hidden_layers=num_layers)
     model.config = config
     return dataclasses.replace(loaded, config=config)

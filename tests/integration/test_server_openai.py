@@ -275,7 +275,7 @@ def test_metrics_say_which_kernels_run(server: ServerProcess) -> None:
     """The server exports the kernel variant it loaded: the one this machine's CPU flags and environment pick."""
     import os
 
-    from tokenmill.model import kernel_variants as kv
+    from tokenmill.model.cpu import variants as kv
 
     expected = kv.choose_variant(kv.read_cpu_info()[1], os.environ.get(kv.ENV_CAP))
     if os.environ.get("TOKENMILL_NO_CPP") == "1":

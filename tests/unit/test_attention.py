@@ -8,8 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import attention
+from tokenmill.model import attention, backend
 from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from tokenmill.model.backend import TorchBackend
+from tokenmill.model.cpu import backend as cpu_backend
+from tokenmill.model.cpu.backend import CpuKernelBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 SCALE = HEAD_DIM**-0.5
@@ -23,9 +26,10 @@ def _random_step(
     num_blocks: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    use_cpp: bool | None = False,
+    planner: TorchBackend | None = None,
 ):
-    """Caches holding random prefixes, random new q/k/v, and metadata over shuffled block tables."""
+    """Caches holding random prefixes, random new q/k/v, and metadata over shuffled block tables, planned by
+    ``planner`` (default: plain torch on ``device``)."""
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens)]
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -35,7 +39,7 @@ def _random_step(
         tables.append([free.pop() for _ in range(num_needed)])
     k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
     v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device, use_cpp=use_cpp)
+    meta = (planner or TorchBackend(device)).plan(query_lens, seq_lens, tables, block_size)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(device, dtype)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
@@ -45,13 +49,13 @@ def _random_step(
 
 
 def test_build_slot_mapping_and_padding() -> None:
-    meta = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4, device="cpu", use_cpp=False)
+    meta = TorchBackend("cpu").plan([2, 1], [5, 3], [[7, 2], [4]], block_size=4)
     # seq 0: new tokens at positions 3, 4 -> block 7 offset 3, block 2 offset 0; seq 1: position 2 in block 4
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]
     assert meta.query_start_loc == [0, 2, 3]
     assert meta.block_tables.tolist() == [[7, 2], [4, 0]]
-    assert [b.token_rows.tolist() for b in meta.decode_buckets] == [[2]]
-    assert [(p.start, p.end, p.seq_len) for p in meta.prefills] == [(0, 2, 5)]
+    assert [b.token_rows.tolist() for b in meta.plan.decode_buckets] == [[2]]
+    assert [(p.start, p.end, p.seq_len) for p in meta.plan.prefills] == [(0, 2, 5)]
 
 
 def test_build_rejects_bad_input() -> None:
@@ -79,14 +83,22 @@ def test_fast_matches_reference_on_random_mixes(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_cpp_decode_kernel_matches_reference(kernel_variant, seed: int) -> None:
-    _check_random_mix(seed, "cpu", torch.float32, atol=1e-5, use_cpp=True)
+    _check_random_mix(seed, "cpu", torch.float32, atol=1e-5, planner=CpuKernelBackend(HEAD_DIM))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpp_decode_kernel_without_the_tiled_prefill_matches_reference(kernel_variant, seed: int) -> None:
+    planner = CpuKernelBackend(HEAD_DIM, tiled_prefill=False)
+    _check_random_mix(seed, "cpu", torch.float32, atol=1e-5, planner=planner)
 
 
 def test_cpp_decode_kernel_on_a_wide_batch(kernel_variant) -> None:
     rng = random.Random(11)
     lens = [rng.randint(0, 400) for _ in range(64)]
-    q, k_cache, v_cache, meta = _random_step(rng, [1] * 64, lens, 16, 64 * 28, use_cpp=True)
-    assert meta.decode_rows is not None and not meta.decode_buckets
+    q, k_cache, v_cache, meta = _random_step(
+        rng, [1] * 64, lens, 16, 64 * 28, planner=CpuKernelBackend(HEAD_DIM)
+    )
+    assert meta.plan.decode_rows is not None and meta.plan.decode_only
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
 
@@ -143,7 +155,7 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
     """The tiled prefill kernel: tiles of 64 tokens, prompts with and without a cached prefix, longer than the
     one-token-per-row route takes, a row block straddling tokens, keys past a row's position masked; rows of
     other sequences left untouched."""
-    from tokenmill.model.cpu_kernels import paged_prefill_kernel
+    from tokenmill.model.cpu.kernels import paged_prefill_kernel
 
     kernel = paged_prefill_kernel(head_dim)
     assert (kernel is None) == (head_dim % kernel_variant.panel_width() != 0)  # 80 on AVX-512: torch's path
@@ -187,7 +199,7 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
 
 
 def _check_random_mix(
-    seed: int, device: str, dtype: torch.dtype, atol: float, use_cpp: bool | None = False
+    seed: int, device: str, dtype: torch.dtype, atol: float, planner: TorchBackend | None = None
 ) -> None:
     """A random batch of decode rows, fresh prefills and prefills after a cached prefix."""
     rng = random.Random(seed)
@@ -208,7 +220,7 @@ def _check_random_mix(
             prefix_lens.append(rng.randint(1, 60))
     num_blocks = sum(-(-(q + p) // block_size) + 2 for q, p in zip(query_lens, prefix_lens)) + 3
     q, k_cache, v_cache, meta = _random_step(
-        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype, use_cpp
+        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype, planner
     )
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=atol, rtol=0)
@@ -216,25 +228,30 @@ def _check_random_mix(
 
 def test_cpp_kernel_takes_short_prefills_and_leaves_long_ones_to_matmuls(kernel_variant) -> None:
     rng = random.Random(5)
-    long_len = attention.KERNEL_PREFILL_MAX_LEN + 37
+    long_len = cpu_backend.KERNEL_PREFILL_MAX_LEN + 37
     query_lens, prefix_lens = [1, 30, long_len, 12, 1], [40, 0, 0, 25, 3]
-    q, k_cache, v_cache, meta = _random_step(rng, query_lens, prefix_lens, 16, 80, use_cpp=True)
-    assert meta.prefill_rows is not None and meta.prefill_rows.token_rows.numel() == 30 + 12
-    assert [seq.end - seq.start for seq in meta.prefills] == [long_len]
+    planner = CpuKernelBackend(
+        HEAD_DIM, tiled_prefill=False
+    )  # as for a head size the tiled kernel does not take
+    q, k_cache, v_cache, meta = _random_step(rng, query_lens, prefix_lens, 16, 80, planner=planner)
+    assert meta.plan.prefill_rows is not None and meta.plan.prefill_rows.token_rows.numel() == 30 + 12
+    assert [seq.end - seq.start for seq in meta.plan.prefills] == [long_len]
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
 
 
-def test_cpp_plan_falls_back_to_torch_for_bfloat16(kernel_variant) -> None:
-    """Metadata planned for the fp32 kernel still works when the tensors turn out to be bf16."""
+def test_the_backend_is_chosen_once_by_device_and_dtype(kernel_variant) -> None:
+    """fp32 on CPU takes the kernels; another dtype plain torch, whose plan then serves every layer as it is."""
+    assert isinstance(backend.select_backend("cpu", torch.float32, HEAD_DIM), CpuKernelBackend)
+    chosen = backend.select_backend("cpu", torch.bfloat16, HEAD_DIM)
+    assert type(chosen) is TorchBackend
     rng = random.Random(6)
     q, k_cache, v_cache, meta = _random_step(
-        rng, [1, 20, 1, 7], [30, 0, 9, 14], 16, 20, dtype=torch.bfloat16, use_cpp=True
+        rng, [1, 20, 1, 7], [30, 0, 9, 14], 16, 20, dtype=torch.bfloat16, planner=chosen
     )
-    assert meta.decode_rows is not None and meta.prefill_rows is not None
+    assert meta.ops is None and len(meta.plan.prefills) == 2 and len(meta.plan.decode_buckets) == 1
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     got = paged_attention(q, k_cache, v_cache, meta, SCALE)
-    assert meta.decode_rows is None and meta.prefill_rows is None and len(meta.prefills) == 2
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
 
 
@@ -242,7 +259,7 @@ def test_many_decode_rows_use_several_buckets() -> None:
     rng = random.Random(7)
     lens = [rng.randint(0, 400) for _ in range(64)]
     q, k_cache, v_cache, meta = _random_step(rng, [1] * 64, lens, 16, 64 * 28)
-    assert len(meta.decode_buckets) == 4
+    assert len(meta.plan.decode_buckets) == 4
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
 
@@ -252,12 +269,12 @@ def test_prefill_sdpa_path_matches_chunked(prefix_len: int) -> None:
     """The CUDA prefill path (SDPA) and the CPU one (chunked matmuls) agree; both run on CPU here."""
     rng = random.Random(prefix_len)
     q, k_cache, v_cache, meta = _random_step(rng, [300], [prefix_len], 8, 60)
-    (seq,) = meta.prefills
-    k = attention._gather_context(k_cache, seq.block_ids, seq.seq_len)
-    v = attention._gather_context(v_cache, seq.block_ids, seq.seq_len)
+    (seq,) = meta.plan.prefills
+    k = attention.gather_context(k_cache, seq.block_ids, seq.seq_len)
+    v = attention.gather_context(v_cache, seq.block_ids, seq.seq_len)
     torch.testing.assert_close(
-        attention._prefill_sdpa(q, k, v, seq, SCALE),
-        attention._prefill_chunked(q, k, v, seq, SCALE),
+        backend._prefill_sdpa(q, k, v, seq, SCALE),
+        backend._prefill_chunked(q, k, v, seq, SCALE),
         atol=1e-5,
         rtol=0,
     )
@@ -273,7 +290,7 @@ def test_reference_matches_dense_causal_sdpa() -> None:
     num_blocks = -(-seq_len // block_size)
     k_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
-    meta = AttentionMetadata.build([seq_len], [seq_len], [list(range(num_blocks))], block_size, "cpu")
+    meta = TorchBackend("cpu").plan([seq_len], [seq_len], [list(range(num_blocks))], block_size)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     group = NUM_HEADS // NUM_KV_HEADS
     dense = F.scaled_dot_product_attention(

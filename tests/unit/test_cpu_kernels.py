@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from tiny_models import random_model, tiny_config
 
-from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import AttentionMetadata, write_kv
-from tokenmill.model.cpu_packing import attach_cpu_kernels, pack_for_cpu
+from tokenmill.model.attention import write_kv
+from tokenmill.model.backend import TorchBackend
+from tokenmill.model.cpu import kernels as cpu_kernels
+from tokenmill.model.cpu.backend import CpuKernelBackend
+from tokenmill.model.cpu.packing import attach_cpu_kernels
 from tokenmill.model.llama import LlamaForCausalLM, apply_rope
 from tokenmill.model.quant import Int8Linear, quantize_model_int8
 
@@ -169,7 +171,7 @@ def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):
     caches = [
         (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.model.layers
     ]
-    meta = AttentionMetadata.build([1] * num_rows, lens, tables, block_size, "cpu")
+    meta = model.plan_attention([1] * num_rows, lens, tables, block_size)
     input_ids = torch.randint(0, config.vocab_size, (num_rows,), generator=gen)
     positions = torch.tensor([n - 1 for n in lens])
     with torch.inference_mode():
@@ -194,7 +196,7 @@ def _torch_reference(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -
                 reference.lm_head.weight.copy_(weight)
             elif isinstance(weight, torch.Tensor):
                 ref_modules[name].weight.copy_(weight)
-    assert reference.decode_stack is None
+    assert type(reference.compute_backend()) is TorchBackend  # never prepared: plain torch
     return reference
 
 
@@ -207,13 +209,12 @@ def test_decode_stack_matches_the_pure_torch_forward(
     model = _tiny_model(seed=num_rows)
     if int8:
         quantize_model_int8(model)
-        attach_cpu_kernels(model)
-    else:
-        pack_for_cpu(model)
+    backend = CpuKernelBackend(model.config.head_dim)
+    backend.prepare(model)
     if kernel_variant.isa() == "base":  # the portable build runs no matmul, so no stack
-        assert model.decode_stack is None
+        assert backend.decode_stack is None
         return
-    assert model.decode_stack is not None
+    assert backend.decode_stack is not None
     stacked, stacked_caches = _decode_step(model, num_rows, seed=num_rows)
     reference = _torch_reference(model, monkeypatch)
     plain, plain_caches = _decode_step(reference, num_rows, seed=num_rows)
@@ -230,11 +231,12 @@ def test_torch_fallback_matches_the_kernels(kernel_variant, monkeypatch: pytest.
     """The eager forward with every C++ kernel off (CUDA, TOKENMILL_NO_CPP=1) gives the same logits as each
     variant's path (the decode stack where the variant has one)."""
     model = _tiny_model(seed=5)
-    pack_for_cpu(model)
+    CpuKernelBackend(model.config.head_dim).prepare(model)
     with_kernels, _ = _decode_step(model, 4, seed=5)
     monkeypatch.setattr(cpu_kernels, "_module", lambda: None)
     monkeypatch.setattr(cpu_kernels, "_matmul_module", lambda: None)
     plain = _tiny_model(seed=5)
-    assert attach_cpu_kernels(plain) == 0 and plain.decode_stack is None
+    assert attach_cpu_kernels(plain) == 0
+    TorchBackend("cpu").prepare(plain)
     without, _ = _decode_step(plain, 4, seed=5)
     torch.testing.assert_close(with_kernels, without, rtol=1e-4, atol=1e-4)

@@ -14,7 +14,6 @@ import torch
 from tiny_models import random_blocks
 
 from tokenmill.model import gguf_loader
-from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache, load_model
 from tokenmill.model.quant import QuantizedEmbedding, QuantizedLinear
 
@@ -115,7 +114,7 @@ def prefill_then_decode(loaded: LoadedModel, prompts: list[list[int]], num_decod
     kv = allocate_kv_cache(config, 64, block_size, torch.float32, "cpu")
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
     lens = [len(p) for p in prompts]
-    meta = AttentionMetadata.build(lens, lens, tables, block_size, "cpu")
+    meta = model.plan_attention(lens, lens, tables, block_size)
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.tensor([i for p in prompts for i in range(len(p))])
     hidden = model(ids, positions, meta, kv)
@@ -125,7 +124,7 @@ def prefill_then_decode(loaded: LoadedModel, prompts: list[list[int]], num_decod
         ids = logits.argmax(-1)
         positions = torch.tensor(lens)
         lens = [n + 1 for n in lens]
-        meta = AttentionMetadata.build([1] * len(prompts), lens, tables, block_size, "cpu")
+        meta = model.plan_attention([1] * len(prompts), lens, tables, block_size)
         logits = model.compute_logits(model(ids, positions, meta, kv))
         out.append(logits)
     return out
@@ -150,7 +149,7 @@ def test_kept_blocks_match_the_dequantized_twin(kernel_variant, tmp_path: Path) 
     assert isinstance(kept.model.lm_head, QuantizedLinear)
     assert twin.quantization == "fp32" and not isinstance(twin.model.lm_head, QuantizedLinear)
     if kernel_variant.isa() != "base":
-        assert kept.model.decode_stack is not None
+        assert kept.model.backend.decode_stack is not None
     for step, (a, b) in enumerate(
         zip(prefill_then_decode(kept, PROMPTS, 3), prefill_then_decode(twin, PROMPTS, 3))
     ):
@@ -197,9 +196,9 @@ def test_gguf_q8_on_a_mixed_file(kernel_variant, tmp_path: Path) -> None:
     assert qkv.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+8bit/g16"
     exact = load_model(str(path), device="cpu", quantization="gguf")
     with_stack = prefill_then_decode(q8, PROMPTS, 3)
-    stack, q8.model.decode_stack = q8.model.decode_stack, None
+    stack, q8.model.backend.decode_stack = q8.model.backend.decode_stack, None
     eager = prefill_then_decode(q8, PROMPTS, 3)
-    q8.model.decode_stack = stack
+    q8.model.backend.decode_stack = stack
     for a, b in zip(with_stack, eager, strict=True):
         assert torch.equal(a, b)
     # the prefill's logits (later steps feed each path its own argmax)
@@ -238,7 +237,7 @@ def test_a_dense_part_makes_its_fused_projection_dense(tmp_path: Path) -> None:
 def test_without_kernels_the_default_dequantizes_and_gguf_still_works(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "tiny.gguf"
     write_gguf(path, TYPES)
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.cpu import kernels as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "quant_kernels", lambda: None)
     monkeypatch.setattr(

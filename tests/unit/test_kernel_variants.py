@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.model import kernel_variants as kv
+from tokenmill.model.cpu import variants as kv
 
 # /proc/cpuinfo flags of the two kinds of machine the project meets (trimmed to the vector ones that matter)
 ZEN3 = frozenset(
@@ -57,7 +57,7 @@ def test_read_cpu_info_parses_linux_cpuinfo(tmp_path: Path) -> None:
 
 
 def test_load_variant_refuses_instructions_the_cpu_lacks() -> None:
-    from tokenmill.model.cpu_kernels import load_variant
+    from tokenmill.model.cpu.kernels import load_variant
 
     with pytest.raises(RuntimeError, match=r"avx512 kernels need CPU flags \['avx512_vnni'"):
         load_variant("avx512", SKYLAKE_X)
@@ -71,9 +71,9 @@ def _loaded_in_subprocess(flags: frozenset[str], env: dict[str, str] | None = No
     """Which variant a fresh process loads when its CPU reports ``flags``, and every kernel module imported."""
     code = f"""
 import json, sys
-from tokenmill.model import kernel_variants as kv
+from tokenmill.model.cpu import variants as kv
 kv.read_cpu_info = lambda *a: ("test CPU", frozenset({sorted(flags)!r}))
-from tokenmill.model import cpu_kernels
+from tokenmill.model.cpu import kernels as cpu_kernels
 state = cpu_kernels.loaded()
 print(json.dumps({{"variant": state.variant, "modules": sorted(m for m in sys.modules if m.startswith("tokenmill._C_")),
                   "paths": cpu_kernels.fast_paths()}}))

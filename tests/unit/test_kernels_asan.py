@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.model import kernel_variants as kv
+from tokenmill.model.cpu import variants as kv
 
 ASAN_DIR_ENV = "TOKENMILL_TEST_ASAN_KERNELS"  # read by tests/conftest.py's kernel_variant
 RUNNABLE_VARIANTS = kv.runnable_variants(kv.read_cpu_info()[1])
@@ -35,7 +35,7 @@ KERNEL_TESTS = [
 BUILD = """
 import sys
 from torch.utils.cpp_extension import load
-from tokenmill.model import kernel_variants as kv
+from tokenmill.model.cpu import variants as kv
 variant, folder = sys.argv[1], sys.argv[2]
 load(
     name="_C_" + variant,

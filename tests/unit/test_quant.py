@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from tiny_models import random_model, tiny_config
 
-from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.llama import Linear, LlamaForCausalLM, hf_tensor_names
 from tokenmill.model.loader import allocate_kv_cache, load_model
@@ -26,9 +25,7 @@ def _all_logits(model: LlamaForCausalLM, config: LlamaConfig, token_ids: list[in
     block_size = 4
     num_blocks = -(-len(token_ids) // block_size)
     kv_caches = allocate_kv_cache(config, num_blocks, block_size, torch.float32, "cpu")
-    meta = AttentionMetadata.build(
-        [len(token_ids)], [len(token_ids)], [list(range(num_blocks))], block_size, "cpu"
-    )
+    meta = model.plan_attention([len(token_ids)], [len(token_ids)], [list(range(num_blocks))], block_size)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta, kv_caches)
         return model.compute_logits(hidden)

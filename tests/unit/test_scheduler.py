@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,16 +32,18 @@ def token_at(request_id: str, position: int) -> int:
 
 @dataclass
 class FakeRunner:
-    """Checks each row against the request, then 'samples' ``token_at`` (or a scripted token)."""
+    """Checks each row against the request, then 'samples' ``token_at`` (or a scripted token). ``requests``: the
+    table the runner reads requests from by id (as the engine's)."""
 
     block_size: int
+    requests: Mapping[str, Request] = field(default_factory=dict)
     script: dict[str, list[int]] = field(default_factory=dict)  # request id -> output tokens to return
     logprobs: bool = False
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         sampled: dict[str, SampledToken] = {}
         for row in out.rows:
-            r = row.request
+            r = self.requests[row.request_id]
             assert row.start_position == r.num_computed_tokens
             assert row.token_ids == r.all_token_ids[row.start_position : row.seq_len]
             assert len(row.block_ids) * self.block_size >= row.seq_len
@@ -105,6 +107,7 @@ def step(sched: Scheduler, runner: FakeRunner, run: Run) -> SchedulerOutput:
     now_s = float(len(run.records) + 1)
     out = sched.schedule()
     sched.check_integrity()
+    runner.requests = sched.requests
     touched = sched.update_from_output(out, runner.execute(out), now_s)
     sched.check_integrity()
     run.records.append(out.record)
@@ -513,7 +516,7 @@ def test_abort_between_schedule_and_update() -> None:
     a, b = make_request("a", 3, 4, ignore_eos=True), make_request("b", 3, 4, ignore_eos=True)
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, requests=sched.requests)
     out = sched.schedule()
     runner_output = runner.execute(out)
     sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
@@ -601,7 +604,7 @@ def test_failed_step_ends_its_rows_and_still_reports_requests_ended_in_schedule(
     sched = make_scheduler(block_size=2, num_blocks=12, max_num_seqs=6, max_num_preemptions=1)
     for r in requests:
         sched.add_request(r)
-    runner, reported = FakeRunner(block_size=2), []
+    runner, reported = FakeRunner(block_size=2, requests=sched.requests), []
     failed_once = False
     for now in range(1, 500):
         if not sched.has_unfinished():
@@ -609,13 +612,14 @@ def test_failed_step_ends_its_rows_and_still_reports_requests_ended_in_schedule(
         out = sched.schedule()
         if out.finished_ids and not failed_once:  # the forward of a step that also ended requests fails
             failed_once = True
+            scheduled = [sched.requests[row.request_id] for row in out.rows]
             touched = sched.fail_step(out, "the step failed: boom", float(now))
-            rows = {row.request.request_id for row in out.rows}
+            rows = {row.request_id for row in out.rows}
             assert {r.request_id for r in touched} == rows | set(out.finished_ids)
-            for row in out.rows:
-                assert row.request.finish_reason == "error" and row.request.error == "the step failed: boom"
-                assert row.request.error_kind == "step_failed"
-                assert row.request.block_ids == []
+            for request in scheduled:
+                assert request.finish_reason == "error" and request.error == "the step failed: boom"
+                assert request.error_kind == "step_failed"
+                assert request.block_ids == []
         else:
             touched = sched.update_from_output(out, runner.execute(out), float(now))
         sched.check_integrity()

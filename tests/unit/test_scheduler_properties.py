@@ -7,6 +7,7 @@ tokens are exactly the fake model's (none lost or duplicated by preemption) and 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hypothesis import event, given, settings
@@ -27,11 +28,11 @@ def token_at(request_id: str, position: int) -> int:
 
 
 def fake_execute(
-    out: SchedulerOutput, block_size: int, kv: KVCacheManager | None = None
+    out: SchedulerOutput, block_size: int, requests: Mapping[str, Request], kv: KVCacheManager | None = None
 ) -> ModelRunnerOutput:
     sampled = {}
     for row in out.rows:
-        r = row.request
+        r = requests[row.request_id]
         assert row.start_position == r.num_computed_tokens
         assert row.token_ids == r.all_token_ids[row.start_position : row.seq_len]
         assert len(row.block_ids) * block_size >= row.seq_len
@@ -85,7 +86,7 @@ class Harness:
             assert rec.num_preemptions == 0  # growth always comes out of the request's reservation
         else:
             assert sched.kv.num_reserved_unused_blocks == 0
-        runner_output = fake_execute(out, self.block_size, sched.kv)
+        runner_output = fake_execute(out, self.block_size, sched.requests, sched.kv)
         if abort_in_flight is not None and self.requests:
             ids = sorted(self.requests)
             got = sched.finish_request(ids[abort_in_flight % len(ids)], RequestStatus.FINISHED_ABORTED)

@@ -47,8 +47,9 @@ class StaticBatch:
                 f"prompt + max_tokens ({longest} tokens) exceeds the model's context ({max_model_len})"
             )
         blocks_per_row = -(-longest // block_size)
-        self.runner = ModelRunner(loaded, len(requests) * blocks_per_row, block_size, seed=seed)
         self.rows: list[Request] = []
+        by_id: dict[str, Request] = {}  # the runner reads their sampling state
+        self.runner = ModelRunner(loaded, len(requests) * blocks_per_row, block_size, by_id, seed=seed)
         self.block_tables: list[list[int]] = []
         for i, r in enumerate(requests):
             request = Request(
@@ -58,13 +59,16 @@ class StaticBatch:
             )
             request.transition(RequestStatus.RUNNING)
             self.rows.append(request)
+            by_id[request.request_id] = request
             self.block_tables.append(list(range(i * blocks_per_row, (i + 1) * blocks_per_row)))
         self.num_forwards = 0
 
     def prefill(self) -> dict[str, int]:
         return self._forward(
             [
-                ScheduledRow(req, list(req.prompt_token_ids), 0, table, sample=True, is_prefill=True)
+                ScheduledRow(
+                    req.request_id, list(req.prompt_token_ids), 0, table, sample=True, is_prefill=True
+                )
                 for req, table in zip(self.rows, self.block_tables)
             ]
         )
@@ -74,7 +78,12 @@ class StaticBatch:
             [
                 # The last sampled token is computed now, at position num_tokens - 1.
                 ScheduledRow(
-                    req, [req.output_token_ids[-1]], req.num_tokens - 1, table, sample=True, is_prefill=False
+                    req.request_id,
+                    [req.output_token_ids[-1]],
+                    req.num_tokens - 1,
+                    table,
+                    sample=True,
+                    is_prefill=False,
                 )
                 for req, table in zip(self.rows, self.block_tables)
             ]

@@ -4,9 +4,11 @@ Each engine step:
 
 1. ``Scheduler.schedule()`` returns a :class:`SchedulerOutput`: the rows of this iteration's flat batch, in
    order, each with the tokens to compute now and the block table their keys and values live in (blocks for
-   every new token are already allocated).
+   every new token are already allocated). It is plain data (ids, token ids, positions, block ids: no live
+   request), so it pickles as it is: tensor parallelism broadcasts its rows to the worker ranks.
 2. ``ModelRunner.execute(scheduler_output)`` builds tensors from it, runs the model, samples one token for
-   each row with ``sample=True`` and returns a :class:`ModelRunnerOutput` (``sampled`` in row order).
+   each row with ``sample=True`` (reading each request's sampling state from the engine's request table, by
+   id) and returns a :class:`ModelRunnerOutput`.
 3. ``Scheduler.update_from_output(scheduler_output, runner_output, now_s)`` appends the sampled tokens,
    advances ``num_computed_tokens``, finishes requests (freeing their blocks at once: the forward that
    read them is over) and returns the requests touched this step.
@@ -17,8 +19,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any
-
-from tokenmill.request import Request
 
 
 class IdleReason(enum.Enum):
@@ -34,18 +34,14 @@ class IdleReason(enum.Enum):
 
 @dataclass
 class ScheduledRow:
-    """One row of the flat batch: ``token_ids`` at positions ``start_position ..`` of ``request``."""
+    """One row of the flat batch: ``token_ids`` at positions ``start_position ..`` of request ``request_id``."""
 
-    request: Request  # read-only for the runner
+    request_id: str
     token_ids: list[int]  # the tokens computed now (a prompt chunk, a re-prefill, or the last sampled token)
-    start_position: int  # == request.num_computed_tokens before this step
+    start_position: int  # == the request's num_computed_tokens before this step
     block_ids: list[int]  # the request's whole block table, covering start_position + len(token_ids)
     sample: bool  # True when this row's last token is the sequence's last: a new token is wanted
     is_prefill: bool  # True while computing prompt (or recomputed) tokens
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
     @property
     def num_new_tokens(self) -> int:

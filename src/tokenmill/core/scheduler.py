@@ -21,6 +21,8 @@ blocks. Every row that could have run and did not is explained in ``StepRecord.i
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import SchedulerConfig
@@ -64,6 +66,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every unfinished request by id (read-only)."""
+        return MappingProxyType(self._requests)
 
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request, or one ended by the last ``schedule()`` and not yet reported."""
@@ -160,11 +167,11 @@ class Scheduler:
             # cache: its logprobs need the logits of every prompt position.
             use_cache = self.kv.enable_caching and request.sampling_params.prompt_logprobs is None
             cached = self.kv.find_cached_prefix(request) if use_cache else []
-            request.num_computed_tokens = len(cached) * self.block_size
+            request.set_num_computed(len(cached) * self.block_size)
             num_new = min(request.num_tokens_to_compute, budget)
             lookahead = 1 if request.num_preemptions else 0  # anti-thrash: room to make progress
             if self.kv.allocate_slots(request, num_new, lookahead, cached_blocks=cached) is None:
-                request.num_computed_tokens = 0
+                request.set_num_computed(0)
                 if self.kv.reserve == "worst_case" and self.kv.would_fit_without_reservations(
                     request, num_new, lookahead
                 ):
@@ -173,8 +180,7 @@ class Scheduler:
             if use_cache:
                 out.record.num_prefix_queried_tokens += request.num_tokens
                 out.record.num_prefix_hit_tokens += request.num_computed_tokens
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = request.num_computed_tokens
+                request.record_cache_hit()
             self.waiting.popleft()
             request.transition(RequestStatus.RUNNING)
             self.running.append(request)
@@ -193,7 +199,7 @@ class Scheduler:
         # A decode row computes just the last sampled token, whose KV was never computed.
         is_decode = request.num_output_tokens > 0 and start == request.num_tokens - 1
         return ScheduledRow(
-            request=request,
+            request_id=request.request_id,
             token_ids=request.all_token_ids[start:end] if not is_decode else [request.output_token_ids[-1]],
             start_position=start,
             block_ids=list(request.block_ids),
@@ -208,15 +214,14 @@ class Scheduler:
         self._computed_high_water[rid] = max(
             self._computed_high_water.get(rid, 0), request.num_computed_tokens
         )
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.drop_computed()
         out.record.num_preemptions += 1
         out.record.preempted_ids.append(rid)
         if request.num_preemptions > self.config.max_num_preemptions:
-            request.error_kind = OVERLOADED
-            request.error = (
+            request.set_error(
+                OVERLOADED,
                 f"preempted {request.num_preemptions} times (max_num_preemptions="
-                f"{self.config.max_num_preemptions}): the KV cache is too small for this load"
+                f"{self.config.max_num_preemptions}): the KV cache is too small for this load",
             )
             self._end(request, RequestStatus.FINISHED_ABORTED, None, None, remove_running=False)
             self._finished_in_schedule[rid] = request
@@ -234,19 +239,15 @@ class Scheduler:
         Call it for every ``schedule()`` result, empty or not: requests that ``schedule()`` itself ended
         (``scheduler_output.finished_ids``) are returned here too.
         """
-        touched: list[Request] = []
-        for rid in scheduler_output.finished_ids:
-            ended = self._finished_in_schedule.pop(rid, None)
-            if ended is not None:
-                touched.append(ended)
+        touched = self._ended_in_schedule(scheduler_output, now_s)
         finished: set[str] = set()
         for row in scheduler_output.rows:
-            request = row.request
-            if request.is_finished:  # aborted between schedule() and now: nothing of it is kept
+            request = self._requests.get(row.request_id)
+            if request is None:  # aborted between schedule() and now: nothing of it is kept
                 continue
             if request.num_computed_tokens != row.start_position:
                 raise RuntimeError(f"request {request.request_id!r} changed under a scheduled row")
-            request.num_computed_tokens += row.num_new_tokens
+            request.advance(row.num_new_tokens)
             self.kv.cache_full_blocks(request)  # full blocks written this step become shareable
             if not row.sample:
                 if (
@@ -260,9 +261,8 @@ class Scheduler:
             sampled = runner_output.sampled.get(request.request_id)
             if sampled is None:
                 raise RuntimeError(f"runner returned no token for request {request.request_id!r}")
-            request.append_output_token(sampled.token_id, now_s)
-            if sampled.logprob is not None or sampled.top_logprobs is not None:
-                request.output_logprobs.append(sampled)
+            wants_logprobs = sampled.logprob is not None or sampled.top_logprobs is not None
+            request.append_output_token(sampled.token_id, now_s, sampled if wants_logprobs else None)
             stop = self._check_stop(request)
             if stop is not None:
                 status, stop_reason = stop
@@ -279,19 +279,25 @@ class Scheduler:
         Requests the step did not schedule are untouched; the ones ``schedule()`` itself ended are returned
         too, as from :meth:`update_from_output`, so that every request is still reported exactly once.
         """
-        touched = [
-            ended
-            for rid in scheduler_output.finished_ids
-            if (ended := self._finished_in_schedule.pop(rid, None)) is not None
-        ]
+        touched = self._ended_in_schedule(scheduler_output, now_s)
         for row in scheduler_output.rows:
-            request = row.request
-            if request.is_finished:  # aborted between schedule() and now
+            request = self._requests.get(row.request_id)
+            if request is None:  # aborted between schedule() and now
                 continue
-            request.error, request.error_kind = error, STEP_FAILED
+            request.set_error(STEP_FAILED, error)
             self._end(request, RequestStatus.FINISHED_ABORTED, None, now_s)
             touched.append(request)
         return touched
+
+    def _ended_in_schedule(self, scheduler_output: SchedulerOutput, now_s: float) -> list[Request]:
+        """The requests ``schedule()`` ended (preemption bound), stamped with the time they are reported."""
+        ended = []
+        for rid in scheduler_output.finished_ids:
+            request = self._finished_in_schedule.pop(rid, None)
+            if request is not None:
+                request.stamp_finished(now_s)
+                ended.append(request)
+        return ended
 
     def _check_stop(self, request: Request) -> tuple[RequestStatus, int | None] | None:
         """Token stops first (EOS, stop_token_ids; none before min_tokens), then length."""
@@ -312,8 +318,10 @@ class Scheduler:
         status: RequestStatus,
         stop_reason: int | str | None = None,
         now_s: float | None = None,
+        error: tuple[str, str] | None = None,
     ) -> Request | None:
-        """End a request from outside (stop string, abort): waiting, running or preempted.
+        """End a request from outside (stop string, abort, a grammar's end or failure): waiting, running or
+        preempted. ``error``: (kind, message) when the engine, not the caller, ends it.
 
         Returns the request, or None when the id is unknown or already finished (abort races are normal).
         """
@@ -322,6 +330,8 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None:
             return None
+        if error is not None:
+            request.set_error(*error)
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._end(request, status, stop_reason, now_s)
@@ -336,9 +346,7 @@ class Scheduler:
         remove_running: bool = True,
     ) -> None:
         was_running = request.status is RequestStatus.RUNNING
-        request.transition(status)  # RuntimeError when it is already finished: ending twice is a bug
-        request.stop_reason = stop_reason
-        request.finished_time_s = now_s if now_s is not None else request.last_token_time_s
+        request.finish(status, stop_reason, now_s)
         self.kv.free(request)
         del self._requests[request.request_id]
         self._computed_high_water.pop(request.request_id, None)

@@ -322,7 +322,7 @@ class QuantizedWeight:
     ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
-        ``tile_rows``: the kernels' panel width (``cpu_kernels.quant_tile_rows()``); any even number for the
+        ``tile_rows``: the kernels' panel width (``cpu.kernels.quant_tile_rows()``); any even number for the
         torch path alone. ``int8_activations``: 4-bit parts in the quad layout (the kernel then rounds the
         activations to 8 bits); other formats stay exact.
         """

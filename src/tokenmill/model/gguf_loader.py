@@ -323,7 +323,7 @@ class GGUFFile:
         """
         from safetensors.torch import load_file
 
-        from tokenmill.model.cpu_kernels import quant_kernels
+        from tokenmill.model.cpu.kernels import quant_kernels
         from tokenmill.model.quant import build_quantized_llama, quantized_state, rebuild_quantized_llama
 
         kernels = quant_kernels()

@@ -5,6 +5,10 @@ One forward takes every new token of the step as one row (``input_ids``/``positi
 :class:`~tokenmill.model.attention.AttentionMetadata` says which rows form which sequence. Q, K and V come
 from one fused matmul, gate and up from another. Weights arrive with Hugging Face names through
 :meth:`LlamaForCausalLM.load_hf_state_dict`, which does the fusing (Phi-3 checkpoints come fused already).
+
+How each piece runs is the model's compute backend's choice (``backend.py``): it plans the step's attention
+(:meth:`LlamaForCausalLM.plan_attention`), hands the layers its fused elementwise ops through the metadata
+(``meta.ops``, None for torch's), and may run a whole step in one call (``fused_forward``).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.backend import TorchBackend
 from tokenmill.model.config import LlamaConfig
-from tokenmill.model.cpu_kernels import fused_ops_for
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # fn(x [M, K], packed weight, N) -> [M, N]: a matmul by a weight reordered once for it (cpu_packing)
@@ -31,7 +35,7 @@ _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_fre
 class Linear(nn.Linear):
     """``nn.Linear`` without random init (bias off unless asked): a loader fills the weight.
 
-    On CPU in fp32 :func:`tokenmill.model.cpu_packing.pack_for_cpu` adds ``packed_weight``, the same weight
+    On CPU in fp32 :func:`tokenmill.model.cpu.packing.pack_for_cpu` adds ``packed_weight``, the same weight
     reordered once (column panels for the C++ ``panel_linear``, else oneDNN's blocked layout), and
     ``packed_matmul``, which multiplies by it; the forward then uses them at every batch size.
     """
@@ -65,9 +69,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops_for(x)
-        if ops is not None:
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """``ops``: the backend's fused kernels (``meta.ops``), used for a contiguous matrix."""
+        if ops is not None and x.dim() == 2 and x.is_contiguous():
             return ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -141,7 +145,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
-        ops = fused_ops_for(qkv)
+        ops = meta.ops
         if self.q_norm is not None and self.k_norm is not None:
             if ops is not None:
                 ops.qk_norm_(
@@ -178,10 +182,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        ops = fused_ops_for(gate_up)
-        if ops is not None:
+        if ops is not None and gate_up.is_contiguous():
             return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         return self.down_proj(F.silu(gate) * up)
@@ -205,14 +208,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. On the fused CPU path ``x`` is updated in place (it is the
         forward's own tensor: the embedding lookup or the previous layer's sum)."""
-        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        ops = meta.ops
+        attn_out = self.self_attn(self.input_layernorm(x, ops), cos, sin, meta, kv_cache)
         post_norm = self.post_attention_layernorm
-        ops = fused_ops_for(x)
         if ops is not None and attn_out.is_contiguous():  # x += attn_out, then the norm, in one pass
             normed = ops.add_rms_norm_(x, attn_out, post_norm.weight, post_norm.eps)
-            return x + self.mlp(normed)
+            return x + self.mlp(normed, ops)
         x = x + attn_out
-        return x + self.mlp(post_norm(x))
+        return x + self.mlp(post_norm(x), ops)
 
 
 class LlamaModel(nn.Module):
@@ -232,13 +235,23 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # A plain attribute, not a buffer: it stays real (and float32) when the model is built on "meta".
         self._inv_freq = rope_inv_freq(config)
-        # the tied head's weight reordered once, and the matmul that takes it (cpu_packing)
+        # the tied head's weight reordered once, and the matmul that takes it (cpu.packing)
         self.packed_head: torch.Tensor | None = None
         self.packed_head_matmul: PackedMatmul | None = None
-        # C++ DecodeStack (cpu_packing): every decode-only step when set (within the sliding window, if any)
-        self.decode_stack: Any = None
-        windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
-        self._window = min((w for w in windows if w is not None), default=None)
+        # how it computes (backend.py): set once by a backend's prepare(); plain torch until then
+        self.backend: TorchBackend | None = None
+
+    def compute_backend(self) -> TorchBackend:
+        """The backend that prepared this model; for one never prepared, plain torch on its weights' device."""
+        if self.backend is None:
+            self.backend = TorchBackend(self.model.norm.weight.device)
+        return self.backend
+
+    def plan_attention(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+    ) -> AttentionMetadata:
+        """A step's metadata, planned by this model's backend (see :meth:`AttentionMetadata.build`)."""
+        return self.compute_backend().plan(query_lens, seq_lens, block_tables, block_size)
 
     def forward(
         self,
@@ -257,26 +270,12 @@ class LlamaForCausalLM(nn.Module):
         # one rotation for both paths: a token's K/V must not depend on which path computed it (with 8-bit
         # activations the rounding turns an ulp of difference into a step)
         cos, sin = self._rope_cos_sin(positions, x.dtype)  # [T, 1, R/2] each
-        rows = meta.decode_rows
-        if (
-            self.decode_stack is not None
-            and rows is not None
-            and rows.seq_lens.shape[0] == x.shape[0]  # every row decodes one token
-            and (self._window is None or max(meta.seq_lens) <= self._window)  # the stack attends to all keys
-        ):
-            return self.decode_stack.forward(  # type: ignore[no-any-return]
-                x,
-                cos.view(x.shape[0], -1),  # [T, R/2]
-                sin.view(x.shape[0], -1),
-                [k for k, _ in kv_caches],
-                [v for _, v in kv_caches],
-                meta.slot_mapping,
-                rows.block_tables,
-                rows.seq_lens,
-            )
+        fused = self.compute_backend().fused_forward(self, x, cos, sin, meta, kv_caches)
+        if fused is not None:
+            return fused
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache)
-        return self.model.norm(x)
+        return self.model.norm(x, meta.ops)
 
     def _rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq.device != positions.device:

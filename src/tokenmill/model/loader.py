@@ -138,20 +138,15 @@ def load_model(
             config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
-    from tokenmill.model.cpu_packing import attach_cpu_kernels, can_pack, pack_for_cpu
-
     if quantization == "int8":
         from tokenmill.model.quant import quantize_model_int8
 
         quantize_model_int8(llama)
-        if resolved_device.type == "cpu":
-            attach_cpu_kernels(llama)
-    elif can_pack(resolved_device, resolved_dtype):
-        pack_for_cpu(llama)
+    from tokenmill.model.backend import select_backend
+
+    select_backend(resolved_device, resolved_dtype, config.head_dim).prepare(llama)
     from tokenmill.model.quant import weight_bytes
 
-    if resolved_device.type == "cpu":
-        _log_slow_paths(config, llama)
     return LoadedModel(
         config=config,
         model=llama,
@@ -164,35 +159,10 @@ def load_model(
     )
 
 
-def _log_slow_paths(config: LlamaConfig, model: LlamaForCausalLM) -> None:
-    """Say once, at load, which of this model's shapes leave a fast CPU path, and what runs instead."""
-    import logging
-
-    from tokenmill.model.cpu_kernels import loaded, paged_prefill_kernel
-
-    log = logging.getLogger(__name__)
-    state = loaded()
-    if state.module is None:
-        return
-    if paged_prefill_kernel(config.head_dim) is None:
-        log.info(
-            "head_dim %d: no tiled prefill attention on the %s kernels (needs a multiple of %d); prefills run "
-            "one query per row up to 512 tokens, chunked matmuls beyond",
-            config.head_dim, state.variant, state.module.panel_width(),
-        )  # fmt: skip
-    if model.decode_stack is None and state.variant != "base":
-        log.info("no C++ decode stack for this model: decode steps run layer by layer")
-    if config.has_sliding_window:
-        log.info(
-            "sliding window of %d tokens: a step with a sequence past it attends through the windowed torch path",
-            config.sliding_window,
-        )
-
-
 def _keeps_gguf_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) -> bool:
     """The default for a GGUF: keep its blocks when it has quantized tensors the kernels take, on CPU in fp32
     with the C++ kernels loaded (without them the torch fallback would dequantize at every step)."""
-    from tokenmill.model.cpu_kernels import quant_kernels
+    from tokenmill.model.cpu.kernels import quant_kernels
 
     if device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None:
         return False

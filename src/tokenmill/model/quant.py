@@ -4,7 +4,7 @@ Decode at batch 1 streams every weight once per token, so it is bound by memory 
 are a quarter of the fp32 bytes. Quantization is symmetric per output row: ``scale = max|w_row| / 127``,
 ``q = round(w / scale)`` in [-127, 127], so ``|w - q * scale| <= scale / 2`` per element.
 
-Forward on CPU, once :func:`tokenmill.model.cpu_packing.attach_cpu_kernels` has run (the loader does it): the
+Forward on CPU, once the CPU kernel backend has prepared the model (``model/cpu/backend.py``; the loader does it): the
 C++ ``small_linear`` kernel (``csrc/small_linear.h``) at every batch size. It rounds the activations to int16
 fixed point per row and multiplies with VNNI int16 dot products into exact int32 sums; it reads the int8
 weight at ~25-30 GB/s at batch 1 and is 1.5x torch's int8 kernel up to 2,048 rows
@@ -32,7 +32,7 @@ from tokenmill.model.config import LlamaConfig
 from tokenmill.model.gguf_blocks import Groups, QuantizedWeight
 from tokenmill.model.llama import LlamaForCausalLM, fuse_hf_state_dict
 
-# fn(x [M, K] float32, weight [N, K] int8, scale [N] float32) -> [M, N] (cpu_kernels.small_linear_kernel)
+# fn(x [M, K] float32, weight [N, K] int8, scale [N] float32) -> [M, N] (cpu.kernels.small_linear_kernel)
 SmallLinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The one dtype aten._weight_int8pack_mm's CPU kernel is fast in (activations and scales alike).
@@ -67,7 +67,7 @@ class Int8Linear(nn.Module):
     weight_int8: torch.Tensor
     scales: torch.Tensor
     scales_bf16: torch.Tensor
-    # Set by cpu_packing.attach_cpu_kernels: every fp32 batch then goes to the C++ kernel.
+    # Set by cpu.packing.attach_cpu_kernels: every fp32 batch then goes to the C++ kernel.
     small_kernel: SmallLinearKernel | None = None
 
     def __init__(
@@ -147,7 +147,7 @@ def quantize_model_int8(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model
 
 
-# fn(x [M, K] fp32, data, meta) -> [M, N] (cpu_kernels.quant_kernels)
+# fn(x [M, K] fp32, data, meta) -> [M, N] (cpu.kernels.quant_kernels)
 QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 QuantRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -7,26 +7,60 @@ unless the request asked for prompt logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
 import torch
 
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.model.attention import AttentionMetadata
+from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRow, SchedulerOutput
+from tokenmill.model.llama import KVCache, LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache
 from tokenmill.outputs import Logprob
+from tokenmill.request import Request
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
-from tokenmill.worker.tensor_parallel import StepInputs
+
+
+def forward_rows(
+    model: LlamaForCausalLM,
+    rows: list[ScheduledRow],
+    kv_caches: list[KVCache],
+    block_size: int,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The model over a schedule's rows as one flat batch -> hidden states ``[num_tokens, hidden]``; rank 0 and
+    every tensor-parallel worker run this same function on the same rows."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    for row in rows:
+        input_ids.extend(row.token_ids)
+        positions.extend(range(row.start_position, row.seq_len))
+    meta = model.plan_attention(
+        [row.num_new_tokens for row in rows],
+        [row.seq_len for row in rows],
+        [row.block_ids for row in rows],
+        block_size,
+    )
+    input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)  # [T]
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
+    return model(input_ids_t, positions_t, meta, kv_caches)  # type: ignore[no-any-return]
 
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0, tp_group: Any = None
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        requests: Mapping[str, Request],
+        seed: int = 0,
+        tp_group: Any = None,
     ) -> None:
-        """``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
-        tensor-parallel model: the KV cache holds this rank's heads, each step's inputs go to the workers)."""
+        """``requests``: the engine's table of live requests, read (never written) for their sampling state.
+        ``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
+        tensor-parallel model: the KV cache holds this rank's heads, each step's rows go to the workers)."""
         self.loaded = loaded
+        self.requests = requests
         self.tp_group = tp_group
         self.model = loaded.model
         self.device = loaded.device
@@ -42,45 +76,21 @@ class ModelRunner:
         rows = scheduler_output.rows
         if not rows:
             return ModelRunnerOutput(sampled={})
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for row in rows:
-            input_ids.extend(row.token_ids)
-            positions.extend(range(row.start_position, row.seq_len))
-        query_lens = [row.num_new_tokens for row in rows]
-        query_start_loc = [0, *accumulate(query_lens)]
-        meta = AttentionMetadata.build(
-            query_lens=query_lens,
-            seq_lens=[row.seq_len for row in rows],
-            block_tables=[row.block_ids for row in rows],
-            block_size=self.block_size,
-            device=self.device,
-        )
         if self.tp_group is not None:  # the workers run the same forward on their shards
-            self.tp_group.broadcast(
-                StepInputs(
-                    input_ids,
-                    positions,
-                    query_lens,
-                    [row.seq_len for row in rows],
-                    [row.block_ids for row in rows],
-                )
-            )
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids_t, positions_t, meta, self.kv_caches)  # [T, H]
-
+            self.tp_group.broadcast(rows)
+        hidden = forward_rows(self.model, rows, self.kv_caches, self.block_size, self.device)  # [T, H]
+        query_start_loc = [0, *accumulate(row.num_new_tokens for row in rows)]
+        requests = [self.requests[row.request_id] for row in rows]
         output = ModelRunnerOutput(sampled={})
         sample_rows = [i for i, row in enumerate(rows) if row.sample]
         if sample_rows:
             last_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden[last_index])  # [num_sample_rows, V] float32
-            sampled = self.sampler(logits, [rows[i].request for i in sample_rows])
+            sampled = self.sampler(logits, [requests[i] for i in sample_rows])
             for i, token in zip(sample_rows, sampled, strict=True):
                 output.sampled[rows[i].request_id] = token
 
-        for i, row in enumerate(rows):
-            request = row.request
+        for i, (row, request) in enumerate(zip(rows, requests)):
             k = request.sampling_params.prompt_logprobs
             if k is None or not row.is_prefill:
                 continue

@@ -2,9 +2,9 @@
 CUDA with one device per rank; the NCCL path runs in ``benchmarks/gpu_check.sh`` on a machine with two GPUs and
 has not run yet).
 
-Rank 0 is the engine's own process: it schedules, and before each forward broadcasts the step's inputs
-(:class:`StepInputs`: token ids, positions, lengths and block tables, never the requests) to the worker
-processes, which run the same forward on their shards; rank 0 alone computes logits and samples.
+Rank 0 is the engine's own process: it schedules, and before each forward broadcasts the step's rows (the
+scheduler's own output, plain data: ``core/sched_output.py``) to the worker processes, which run the same
+forward (``model_runner.forward_rows``) on their shards; rank 0 alone computes logits and samples.
 
 The split, for ``world`` ranks (Megatron-style, as vLLM's column/row parallel linears):
 
@@ -30,23 +30,13 @@ import os
 import socket
 from datetime import timedelta
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tokenmill.model.llama import Linear, LlamaForCausalLM
-
-
-class StepInputs(NamedTuple):
-    """What a worker needs to run a step's forward."""
-
-    input_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
 
 
 class AllReduce(nn.Module):
@@ -130,13 +120,14 @@ def free_port() -> int:
 
 
 def _prepare(loaded: Any, rank: int, world: int) -> Any:
-    """Shard a loaded model and re-pack it for the CPU kernels, without the decode stack."""
-    from tokenmill.model.cpu_packing import can_pack, pack_for_cpu
+    """Shard a loaded model and prepare its backend again, without the decode stack (the all-reduces sit between
+    layers)."""
+    from tokenmill.model.backend import select_backend
 
     local_config = shard_model(loaded.model, rank, world)
-    if can_pack(loaded.device, loaded.dtype):
-        pack_for_cpu(loaded.model)
-    loaded.model.decode_stack = None  # the all-reduces sit between layers
+    select_backend(loaded.device, loaded.dtype, local_config.head_dim, decode_stack=False).prepare(
+        loaded.model
+    )
     return local_config
 
 
@@ -151,8 +142,8 @@ def _backend_and_device(load_kwargs: dict[str, Any], rank: int) -> tuple[str, di
 
 def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str, Any], num_blocks: int,
                  block_size: int, num_threads: int, timeout_s: float) -> None:  # fmt: skip
-    from tokenmill.model.attention import AttentionMetadata
     from tokenmill.model.loader import allocate_kv_cache, load_model
+    from tokenmill.worker.model_runner import forward_rows
 
     torch.set_num_threads(num_threads)
     backend, load_kwargs = _backend_and_device(load_kwargs, rank)
@@ -166,15 +157,10 @@ def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str,
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
-            step = box[0]
-            if step is None:
+            rows = box[0]
+            if rows is None:
                 break
-            meta = AttentionMetadata.build(
-                step.query_lens, step.seq_lens, step.block_tables, block_size, "cpu"
-            )
-            ids = torch.tensor(step.input_ids, dtype=torch.long)
-            positions = torch.tensor(step.positions, dtype=torch.long)
-            loaded.model(ids, positions, meta, kv)
+            forward_rows(loaded.model, rows, kv, block_size, loaded.device)
     dist.destroy_process_group()
 
 
@@ -219,9 +205,10 @@ class TensorParallelGroup:
             if not w.is_alive():
                 raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {w.exitcode})")
 
-    def broadcast(self, step: StepInputs) -> None:
+    def broadcast(self, rows: list[Any]) -> None:
+        """A step's scheduled rows (``ScheduledRow``: plain data), to every worker."""
         self.check_alive()
-        dist.broadcast_object_list([step], src=0)
+        dist.broadcast_object_list([rows], src=0)
 
     def close(self) -> None:
         if self._closed:

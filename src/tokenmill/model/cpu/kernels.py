@@ -1,7 +1,7 @@
 """The C++ kernels of the CPU path: built at install, once per instruction set, and loaded here.
 
 ``setup.py`` compiles ``csrc/cpu_ops.cpp`` into ``tokenmill._C_avx512``, ``_C_avx2`` and ``_C_base``
-(``kernel_variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks the
+(``variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks the
 best variant this CPU can execute (its flags from /proc/cpuinfo), no better than ``TOKENMILL_CPU_ISA`` (``auto``,
 ``avx512``, ``avx2``, ``base``) if that is set, and imports only that one: a variant whose instructions the CPU
 lacks is never loaded (:func:`load_variant` refuses it). ``TOKENMILL_NO_CPP=1`` loads none.
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.model import kernel_variants as kv
+from tokenmill.model.cpu import variants as kv
 
 logger = logging.getLogger(__name__)
 # The variants whose matmuls beat torch's (on base they lose: see the module docstring).
@@ -207,14 +207,6 @@ def panel_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., t
     if module is None:
         return None
     return module.pack_panels, module.panel_linear, int(module.panel_width())
-
-
-def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The module with ``rms_norm``, ``add_rms_norm_``, ``silu_mul`` and ``rope_write_kv`` (``csrc/elementwise.h``)
-    when ``x`` is a contiguous fp32 CPU matrix they take, else None (the caller's torch path)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
-        return None
-    return _module()
 
 
 def decode_stack_class() -> type | None:

@@ -1,7 +1,7 @@
 """The instruction-set variants of the C++ kernels: what each is compiled with and which CPUs may load it.
 
 Pure Python, no torch: ``setup.py`` loads this file by path to build the variants, and
-``tokenmill.model.cpu_kernels`` uses it to choose one at run time. ``csrc/simd.h`` holds the vector body of
+``tokenmill.model.cpu.kernels`` uses it to choose one at run time. ``csrc/simd.h`` holds the vector body of
 each variant; this module holds the flags that select it and the CPU flags a machine needs to run it.
 """
 

@@ -1,6 +1,6 @@
 // tokenmill's CPU kernels, one extension module per instruction-set variant: setup.py compiles this file as
 // tokenmill._C_avx512, _C_avx2 and _C_base with each variant's flags (simd.h says what each covers), and
-// tokenmill.model.cpu_kernels loads the best one the CPU runs.
+// tokenmill.model.cpu.kernels loads the best one the CPU runs.
 #include <torch/extension.h>
 
 #include "attention_decode.h"

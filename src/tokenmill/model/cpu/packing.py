@@ -12,7 +12,11 @@
 - **int8** (after :func:`~tokenmill.model.quant.quantize_model_int8`): the C++ ``small_linear`` kernel at every
   batch size, 3.5 / 3.4 / 4.5 / 7.6 ms at 1 / 2 / 4 / 8 rows against torch's int8 kernel's 8.1 / 10.2 / 11.4 /
   21.7 ms, and 1.5x faster than it up to 2,048 rows (``_weight_int8pack_mm`` only without the C++ kernels).
-- A C++ :class:`DecodeStack` for decode-only steps: every layer in one call, no per-op dispatch.
+- :func:`build_decode_stack`: a C++ ``DecodeStack`` over the prepared weights, for decode-only steps: every layer
+  in one call, no per-op dispatch (the CPU kernel backend, ``backend.py``, owns it and decides when it runs).
+
+Packing sets ``packed_weight`` / ``packed_matmul`` on each :class:`~tokenmill.model.llama.Linear` (and the tied
+head's on the model); the backends call these functions once, at load.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.model.cpu_kernels import decode_stack_class, panel_linear_kernels, small_linear_kernel
+from tokenmill.model.cpu.kernels import decode_stack_class, panel_linear_kernels, small_linear_kernel
 from tokenmill.model.llama import Linear, LlamaForCausalLM, PackedMatmul
 from tokenmill.model.quant import Int8Linear, QuantizedLinear
 
@@ -42,7 +46,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_for_cpu(model: LlamaForCausalLM) -> int:
-    """Prepare an fp32 CPU model: reordered weights (panels, else oneDNN's) and the C++ decode stack.
+    """Reorder an fp32 CPU model's projection weights once (panels, else oneDNN's).
 
     Returns how many weights were reordered (0 when neither kernel is available: the plain ``F.linear`` path).
     """
@@ -56,7 +60,6 @@ def pack_for_cpu(model: LlamaForCausalLM) -> int:
         logger.warning("weight packing failed (%s); using F.linear", exc)
         _pack_all(model, None, None)
         return 0
-    attach_cpu_kernels(model)
     return num_packed
 
 
@@ -77,8 +80,7 @@ def _pack_all(
 
 
 def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
-    """Give every int8 CPU projection the ``small_linear`` kernel, if it built, and the model a C++
-    :class:`DecodeStack` for decode-only steps when every layer can use it (fp32 layers once packed as panels).
+    """Give every int8 CPU projection the ``small_linear`` kernel, if it built.
 
     Returns how many layers got the kernel (0 without it, TOKENMILL_NO_CPP=1, or a model with no int8 layer).
     """
@@ -90,7 +92,6 @@ def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
         if isinstance(module, Int8Linear) and _fp32_cpu(module.scales):
             module.small_kernel = kernel  # every batch: faster than torch's int8 kernel at 1-2,048 rows
             num_attached += 1
-    model.decode_stack = build_decode_stack(model)
     return num_attached
 
 
