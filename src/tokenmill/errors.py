@@ -47,6 +47,19 @@ class BadRequestError(_AboutAField, ValueError):
     """Bad input from the caller."""
 
 
+class ContextLengthError(BadRequestError):
+    """Prompt + max_tokens do not fit the model's context (raised where it is checked: the scheduler's intake);
+    the numbers travel with it, so each API words it its own way."""
+
+    def __init__(
+        self, message: str, max_model_len: int, num_prompt_tokens: int, num_completion_tokens: int
+    ) -> None:
+        super().__init__(message, param="max_tokens", code="context_length_exceeded")
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = num_completion_tokens
+
+
 class NotFoundError(_AboutAField, LookupError):
     """What was asked for does not exist."""
 

@@ -64,6 +64,17 @@ def for_request(defaults: dict[str, Any], temperature: float | None) -> dict[str
     return dict(defaults)
 
 
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: default_max_tokens)
+
+
+def default_max_tokens(defaults: dict[str, Any], num_prompt_tokens: int, max_model_len: int) -> int:
+    """``max_tokens`` for a chat request that sets none: the model's ``max_new_tokens`` within the room the
+    context leaves; else that room (OpenAI's: as long as the context allows; at least 1, so that a prompt that
+    fills the context is refused as too long)."""
+    room = max(max_model_len - num_prompt_tokens, 1)
+    return min(defaults["max_tokens"], room) if "max_tokens" in defaults else room
+
+
 def resolve(mode: str, model_path: str | Path | None) -> GenerationDefaults:
     """The defaults for ``mode`` (``auto``, ``none``, or a directory holding a ``generation_config.json``)."""
     if mode == "none":

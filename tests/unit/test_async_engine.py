@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tokenmill.errors import ContextLengthError
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.app import build_app
@@ -74,8 +75,8 @@ class FakeEngine:
         self._touch()
         if not prompt:
             raise ValueError("prompt must not be empty")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError("prompt too long")
+        if len(prompt) + params.max_tokens > self.max_model_len:  # as the real scheduler's intake check
+            raise ContextLengthError("prompt too long", self.max_model_len, len(prompt), params.max_tokens)
         self.requests[request_id] = {"params": params, "n": 0, "prompt": list(prompt), "admitted": False}
         self.order.append(request_id)
         return request_id

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from tokenmill.bench.timing import BatchingComparison, BatchTiming, ContinuousTiming
+from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
 
 REASON_NAMES = {
     "queue_empty": "queue drained",
@@ -58,49 +59,23 @@ def add_bench_batching_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine twice on one pool, reserve=worst_case vs none (pool: --num-kv-blocks, default 4x a "
         "typical request's worst case)",
     )
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)"
-    )
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="the engine's KV pool (default: every request's worst case at once; with --compare-reserve: room "
-        "for four worst-case reservations of a typical request)",
-    )
-    g.add_argument(
-        "--max-num-seqs", type=int, default=None, help="the engine's batch width (default: the workload size)"
-    )
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    # the engine's own flags (engine_args), with this command's defaults: --num-kv-blocks every request's worst
+    # case at once (with --compare-reserve: room for four worst-case reservations of a typical request),
+    # --max-num-seqs the workload's size; --seed is the engine's seed, as --engine-seed
+    add_engine_arguments(parser)
+    parser.set_defaults(max_num_seqs=None, max_num_batched_tokens=2048)
+    parser.add_argument("--seed", dest="engine_seed", type=int, help=argparse.SUPPRESS)
 
 
 def run_bench_batching(args: argparse.Namespace) -> int:
     from tokenmill.bench.continuous import compare_model_batching, compare_reserve, load_for_bench
     from tokenmill.bench.timing import UnitClock, WallClock
     from tokenmill.bench.workload import load_workload, seed_workload
-    from tokenmill.config import EngineConfig
 
     try:
         workload = load_workload(args.workload) if args.workload else seed_workload()
-        config = EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs or len(workload),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            reserve=args.reserve,
-            num_threads=args.num_threads,
-            seed=args.seed,
-        )
+        args.max_num_seqs = args.max_num_seqs or len(workload)
+        config = engine_config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
     StepRecord,
 )
-from tokenmill.errors import OVERLOADED, STEP_FAILED, BadRequestError
+from tokenmill.errors import OVERLOADED, STEP_FAILED, BadRequestError, ContextLengthError
 from tokenmill.request import Request, RequestStatus
 
 
@@ -82,11 +82,15 @@ class Scheduler:
         """Queue a request (FIFO). BadRequestError (param max_tokens) if it could never run: too long, or
         larger than the pool."""
         max_len = self.config.max_model_len
-        if request.max_num_tokens > max_len:
-            raise BadRequestError(
+        if (
+            request.max_num_tokens > max_len
+        ):  # the one context-length check (the server's 400 comes from here)
+            raise ContextLengthError(
                 f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.sampling_params.max_tokens}) = {request.max_num_tokens} exceeds max_model_len ({max_len})",
-                param="max_tokens",
+                max_len,
+                request.num_prompt_tokens,
+                request.sampling_params.max_tokens,
             )
         worst_blocks = self.kv.max_blocks(request)
         if worst_blocks > self.kv.num_blocks:

@@ -1,7 +1,8 @@
 """The FastAPI app: ``build_app(async_engine, ...)`` wires routes, the API-key gate and OpenAI-shaped errors.
 
-Routes: POST /v1/completions and /v1/chat/completions (``routes_*.py``); GET /v1/models, /v1/models/{id},
-/health, /metrics, /version; vLLM's POST /tokenize and /detokenize and GET /tokenizer_info. CORS only when
+Routes (``routes_*.py``): POST /v1/completions and /v1/chat/completions; GET /v1/models, /v1/models/{id},
+/health, /metrics, /version (``routes_info``); vLLM's POST /tokenize and /detokenize and GET /tokenizer_info
+(``routes_tokenize``). CORS only when
 configured (``--allowed-origins``). ``/openapi.json`` carries each POST's request model. With an API key every route needs
 ``Authorization: Bearer <key>`` except the allow-list (/health, /metrics): the check is an ASGI middleware
 in front of the router, so a route added later is covered without anyone remembering to.
@@ -29,31 +30,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import tokenmill
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.common import (
     BODY_MODELS,
     ApiError,
     ServerState,
-    api_error,
-    check_model,
-    get_state,
-    parse_body,
-    read_json_body,
-    request_body,
-    unavailable,
 )
-from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
-    ModelList,
-    ParamError,
-    TokenizeRequest,
-    TokenizeResponse,
 )
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -75,7 +60,7 @@ def build_app(
 
     ``cors``: keyword arguments of Starlette's CORSMiddleware (``allow_origins`` ...), or None for no CORS.
     """
-    from tokenmill.server import routes_chat, routes_completions
+    from tokenmill.server import routes_chat, routes_completions, routes_info, routes_tokenize
 
     state = ServerState(
         async_engine=async_engine,
@@ -96,7 +81,8 @@ def build_app(
     app.state.tokenmill = state
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
-    _add_misc_routes(app)
+    app.include_router(routes_info.router)
+    app.include_router(routes_tokenize.router)
     _add_error_handlers(app)
     if state.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, open_paths=OPEN_PATHS)
@@ -174,114 +160,6 @@ class ApiKeyMiddleware:
                     presented = token.strip()
                 break
         return hmac.compare_digest(hashlib.sha256(presented).digest(), self._digest) and presented != b""
-
-
-def _add_misc_routes(app: FastAPI) -> None:
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        async_engine = get_state(request).async_engine
-        if async_engine.alive:
-            return Response(status_code=200)
-        return unavailable(async_engine.dead_message()).response()
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(get_state(request).async_engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    def model_card(state: ServerState) -> ModelCard:
-        return ModelCard(
-            id=state.served_model_name,
-            root=state.async_engine.model_name,
-            max_model_len=state.async_engine.max_model_len,
-        )
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return JSONResponse(ModelList(data=[model_card(get_state(request))]).model_dump())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str) -> Response:
-        state = get_state(request)
-        check_model(state, model_id)
-        return JSONResponse(model_card(state).model_dump())
-
-    @app.get("/version")
-    async def version() -> Response:
-        return JSONResponse({"version": tokenmill.__version__})
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request) -> Response:
-        """vLLM's tokenizer description (what lm-eval's ``tokenizer_backend=remote`` reads)."""
-        state = get_state(request)
-        tokenizer = state.async_engine.tokenizer
-        eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()))
-        bos_id = getattr(tokenizer, "bos_token_id", None)
-
-        def token(token_id: int | None) -> str | None:
-            return None if token_id is None else str(tokenizer.id_to_token(token_id))
-
-        return JSONResponse(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": state.async_engine.max_model_len,
-                "vocab_size": tokenizer.vocab_size,
-                "bos_token": token(bos_id),
-                "bos_token_id": bos_id,
-                "eos_token": token(eos_ids[0]) if eos_ids else None,
-                "eos_token_id": eos_ids[0] if eos_ids else None,
-                "eos_token_ids": eos_ids,
-                "pad_token": None,
-                "chat_template": getattr(tokenizer, "chat_template", None),
-            }
-        )
-
-    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
-    async def tokenize(request: Request) -> Response:
-        from tokenmill.server.protocol import ChatCompletionRequest
-        from tokenmill.server.routes_chat import encode_messages
-
-        state = get_state(request)
-        req = parse_body(TokenizeRequest, await read_json_body(request, state.max_body_bytes))
-        check_model(state, req.model)
-        tokenizer = state.async_engine.tokenizer
-        try:
-            if req.messages is not None:
-                chat = ChatCompletionRequest(
-                    messages=req.messages, add_generation_prompt=req.add_generation_prompt
-                )
-                tokens = await run_in_threadpool(encode_messages, state, chat)  # off the event loop
-            elif req.prompt is not None:
-                add_special = req.add_special_tokens is not False
-                tokens = list(await run_in_threadpool(tokenizer.encode, req.prompt, add_special))
-            else:
-                raise ParamError("either prompt or messages is required", param="prompt")
-        except ParamError as exc:
-            raise api_error(exc) from None
-        token_strs = None
-        if req.return_token_strs:
-            token_strs = [str(tokenizer.id_to_token(t)) for t in tokens]
-        body = TokenizeResponse(
-            count=len(tokens),
-            max_model_len=state.async_engine.max_model_len,
-            tokens=tokens,
-            token_strs=token_strs,
-        )
-        return JSONResponse(body.model_dump(exclude_none=True))
-
-    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
-    async def detokenize(request: Request) -> Response:
-        state = get_state(request)
-        req = parse_body(DetokenizeRequest, await read_json_body(request, state.max_body_bytes))
-        check_model(state, req.model)
-        tokenizer = state.async_engine.tokenizer
-        for tok in req.tokens:
-            if not 0 <= tok < tokenizer.vocab_size:
-                raise ApiError.bad_request(
-                    f"tokens: token id {tok} is out of vocabulary (valid ids are 0..{tokenizer.vocab_size - 1})",
-                    param="tokens",
-                )
-        text = await run_in_threadpool(tokenizer.decode, req.tokens)
-        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
 def _error_body(status_code: int, message: str, type: str, code: str | None = None) -> JSONResponse:

@@ -213,7 +213,10 @@ async def submit(
 
 def api_error(exc: errors.TokenmillError) -> ApiError:
     """The one mapping of tokenmill's errors (``tokenmill.errors``) to OpenAI's shapes: a bad request 400 with
-    its param, not found 404, a full queue 429 with Retry-After (the only 429), unavailable 503."""
+    its param (a context too short in OpenAI's words), not found 404, a full queue 429 with Retry-After (the
+    only 429), unavailable 503."""
+    if isinstance(exc, errors.ContextLengthError):
+        return context_length_error(exc.max_model_len, exc.num_prompt_tokens, exc.num_completion_tokens)
     if isinstance(exc, errors.BadRequestError):
         return ApiError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, errors.NotFoundError):

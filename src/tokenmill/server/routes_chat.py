@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.generation_defaults import default_max_tokens
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
@@ -18,7 +19,6 @@ from tokenmill.server.common import (
     ServerState,
     api_error,
     check_model,
-    context_length_error,
     get_state,
     parse_body,
     read_json_body,
@@ -86,20 +86,16 @@ async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(ChatCompletionRequest, await read_json_body(request, state.max_body_bytes))
     check_model(state, req.model)
-    max_model_len = state.async_engine.max_model_len
     try:
         prompt_ids = await run_in_threadpool(encode_messages, state, req)  # the template off the event loop
         n = req.num_choices
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         defaults = state.async_engine.sampling_defaults
-        if max_tokens is None:  # the model's max_new_tokens, else OpenAI's: whatever room the context leaves
-            room = max(max_model_len - len(prompt_ids), 1)
-            max_tokens = min(defaults["max_tokens"], room) if "max_tokens" in defaults else room
+        if max_tokens is None:
+            max_tokens = default_max_tokens(defaults, len(prompt_ids), state.async_engine.max_model_len)
         if max_tokens < 1:  # a prompt-only score is the completions route's echo
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ParamError(f"{param} must be at least 1, got {max_tokens}", param=param)
-        if max_tokens >= 1 and len(prompt_ids) + max_tokens > max_model_len:
-            raise context_length_error(max_model_len, len(prompt_ids), max_tokens)
         top_logprobs = req.top_logprobs
         if top_logprobs and not req.logprobs:
             raise ParamError("top_logprobs requires logprobs to be true", param="top_logprobs")

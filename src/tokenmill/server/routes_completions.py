@@ -13,13 +13,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.generation_defaults import COMPLETIONS_MAX_TOKENS
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
     ServerState,
     api_error,
     check_model,
-    context_length_error,
     get_state,
     parse_body,
     read_json_body,
@@ -61,12 +61,7 @@ async def create_completion(request: Request) -> Response:
             raise ParamError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != n:
             raise ParamError("best_of is not supported (only best_of == n)", param="best_of")
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        for prompt in prompts:
-            if max_tokens >= 1 and len(prompt.token_ids) + max_tokens > state.async_engine.max_model_len:
-                raise context_length_error(
-                    state.async_engine.max_model_len, len(prompt.token_ids), max_tokens
-                )
+        max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         echo = bool(req.echo)
         engine_prompts = []
         for prompt in prompts:

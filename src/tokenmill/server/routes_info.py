@@ -1,0 +1,52 @@
+"""What the server says about itself: GET /health, /metrics, /v1/models, /v1/models/{id}, /version."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import tokenmill
+from tokenmill.server.common import ServerState, check_model, get_state, unavailable
+from tokenmill.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tokenmill.server.protocol import ModelCard, ModelList
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    async_engine = get_state(request).async_engine
+    if async_engine.alive:
+        return Response(status_code=200)
+    return unavailable(async_engine.dead_message()).response()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).async_engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(
+        id=state.served_model_name,
+        root=state.async_engine.model_name,
+        max_model_len=state.async_engine.max_model_len,
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=[_model_card(get_state(request))]).model_dump())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> Response:
+    state = get_state(request)
+    check_model(state, model_id)
+    return JSONResponse(_model_card(state).model_dump())
+
+
+@router.get("/version")
+async def version() -> Response:
+    return JSONResponse({"version": tokenmill.__version__})
