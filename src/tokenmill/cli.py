@@ -173,7 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
     serve.set_defaults(func=_run_serve)
+    _add_model_commands(sub)
+    _add_bench_commands(
+        sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    )
+    return parser
 
+
+def _add_model_commands(sub: Any) -> None:
+    """info, pull, models."""
     info = sub.add_parser("info", help="versions, the CPU, the kernel variant loaded and each fast path")
     info.add_argument("--json", action="store_true", help="as JSON")
     info.add_argument(
@@ -197,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--path", metavar="NAME", default=None, help="print only the path of pulled NAME")
     models.set_defaults(func=_run_models)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+
+def _add_bench_commands(bench: Any) -> None:
     from tokenmill.bench.batching_cli import add_bench_batching_arguments, run_bench_batching
 
     batching = bench.add_parser(
@@ -217,7 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_multiturn_arguments(multiturn)
     multiturn.set_defaults(func=run_bench_multiturn)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,23 @@ class StepResult:
     error: Exception | None = None  # the forward raised: the step's requests ended with this error
 
 
+def _load_kwargs(config: EngineConfig) -> dict[str, Any]:
+    return {
+        "model": config.model,
+        "device": config.device,
+        "dtype": config.dtype,
+        "quantization": "fp32" if config.tensor_parallel_size > 1 else config.quantization,  # TP splits fp32
+    }
+
+
+def _max_model_len(config: EngineConfig, model_max_len: int) -> int:
+    if config.max_model_len is not None and config.max_model_len > model_max_len:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max_len})"
+        )
+    return config.max_model_len or model_max_len
+
+
 class Engine:
     def __init__(
         self,
@@ -61,7 +78,7 @@ class Engine:
         """
         import torch
 
-        from tokenmill.model.loader import kv_bytes_per_block, load_model
+        from tokenmill.model.loader import load_model
         from tokenmill.worker.model_runner import ModelRunner
 
         config = replace(config or EngineConfig(), **overrides) if overrides else (config or EngineConfig())
@@ -70,12 +87,7 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         tp = config.tensor_parallel_size
-        load_kwargs = {
-            "model": config.model,
-            "device": config.device,
-            "dtype": config.dtype,
-            "quantization": "fp32" if tp > 1 else config.quantization,  # TP splits fp32 weights
-        }
+        load_kwargs = _load_kwargs(config)
         if loaded is None:
             loaded = load_model(**load_kwargs)
         self.loaded = loaded
@@ -84,51 +96,9 @@ class Engine:
 
         self.generation_defaults = resolve(config.generation_config, loaded.source)
         self.model_name = _model_name(loaded.source)
-        model_max_len = loaded.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max_len})"
-            )
-        self.max_model_len = config.max_model_len or model_max_len
-
-        kv_config = loaded.config
-        if tp > 1:  # the pool is per rank: rank 0 holds the most KV heads
-            from tokenmill.worker.tensor_parallel import check_size, split
-
-            check_size(kv_config.num_key_value_heads, tp)
-            k0, k1 = split(kv_config.num_key_value_heads, tp, 0)
-            kv_config = replace(
-                kv_config,
-                num_key_value_heads=k1 - k0,
-                num_attention_heads=(k1 - k0) * kv_config.num_queries_per_kv,
-            )
-        bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, loaded.dtype)
-        self.num_total_blocks = config.num_kv_blocks or self._blocks_from_budget(bytes_per_block)
-        self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %.1f MB",
-            self.num_total_blocks, config.block_size, self.num_total_blocks * config.block_size,
-            self.kv_cache_bytes / 1e6,
-        )  # fmt: skip
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens
-            or DEFAULT_BATCHED_TOKENS.get(getattr(loaded.device, "type", str(loaded.device)), 2048),
-            max_model_len=self.max_model_len,
-            reserve=config.reserve,
-            max_num_preemptions=config.max_num_preemptions,
-        )
-        self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
-        model_config = loaded.config
-        windows = [model_config.layer_window(i) for i in range(model_config.num_hidden_layers)]
-        self.kv_manager = KVCacheManager(
-            self.cache_config,
-            config.reserve,
-            enable_caching=config.enable_prefix_caching,
-            # blocks outside the window are released only when every layer has one (Qwen2's lower layers may not)
-            sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
-        )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
+        self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
+        self._size_kv_pool()
+        self._build_scheduler()
         self.tp_group: Any = None
         if tp > 1:
             from tokenmill.worker.tensor_parallel import TensorParallelGroup
@@ -150,6 +120,53 @@ class Engine:
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
         self._ids = itertools.count()
         self._structured_outputs: Any = None
+
+    def _size_kv_pool(self) -> None:
+        """The KV pool: ``num_kv_blocks``, else as many blocks as the memory budget holds (per rank under tensor
+        parallelism: rank 0 holds the most KV heads)."""
+        from tokenmill.model.loader import kv_bytes_per_block
+
+        config, kv_config, tp = self.config, self.loaded.config, self.config.tensor_parallel_size
+        if tp > 1:
+            from tokenmill.worker.tensor_parallel import check_size, split
+
+            check_size(kv_config.num_key_value_heads, tp)
+            k0, k1 = split(kv_config.num_key_value_heads, tp, 0)
+            kv_config = replace(
+                kv_config,
+                num_key_value_heads=k1 - k0,
+                num_attention_heads=(k1 - k0) * kv_config.num_queries_per_kv,
+            )
+        bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, self.loaded.dtype)
+        self.num_total_blocks = config.num_kv_blocks or self._blocks_from_budget(bytes_per_block)
+        self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), %.1f MB",
+            self.num_total_blocks, config.block_size, self.num_total_blocks * config.block_size,
+            self.kv_cache_bytes / 1e6,
+        )  # fmt: skip
+
+    def _build_scheduler(self) -> None:
+        config, loaded = self.config, self.loaded
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens
+            or DEFAULT_BATCHED_TOKENS.get(getattr(loaded.device, "type", str(loaded.device)), 2048),
+            max_model_len=self.max_model_len,
+            reserve=config.reserve,
+            max_num_preemptions=config.max_num_preemptions,
+        )
+        self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
+        model_config = loaded.config
+        windows = [model_config.layer_window(i) for i in range(model_config.num_hidden_layers)]
+        self.kv_manager = KVCacheManager(
+            self.cache_config,
+            config.reserve,
+            enable_caching=config.enable_prefix_caching,
+            # blocks outside the window are released only when every layer has one (Qwen2's lower layers may not)
+            sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
 
     def _blocks_from_budget(self, bytes_per_block: int) -> int:
         budget = self.config.kv_cache_memory_bytes

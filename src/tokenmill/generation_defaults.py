@@ -9,7 +9,7 @@ transformers reads it (temperature 0). Its ``eos_token_id`` joins the model's st
 A GGUF carries none of these, nor does a directory without the file; then :data:`FALLBACK` applies: sampled,
 in the range llama.cpp (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.0) and ollama
 (temperature 0.8, top-k 40, top-p 0.9, repeat penalty 1.1) use, since a small model decoded greedily falls into
-loops ("a cache lies, a cache lies, ...": issue 18; at temperature 0.8 without the penalty one of three seeds
+loops (the embedded model: "a cache lies, a cache lies, ..."; at temperature 0.8 without the penalty one of three seeds
 still looped on it). A request asking for ``temperature=0`` is greedy over the model's own distribution: the
 defaults' top-p / top-k / min-p / repetition penalty apply to sampled requests only (:func:`for_request`; vLLM
 would apply a generation_config's repetition penalty to greedy requests too). ``generation_config="none"`` turns both off: the fields keep SamplingParams' own

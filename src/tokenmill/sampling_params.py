@@ -114,6 +114,21 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
+        self._check_stops_and_biases()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise BadRequestError(
+                "structured_outputs must be a StructuredOutputsParams", param="structured_outputs"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, lo=0)
+                if value > 20:
+                    raise BadRequestError(f"{name} must be at most 20, got {value}", param=name)
+
+    def _check_stops_and_biases(self) -> None:
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise BadRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
@@ -129,18 +144,6 @@ class SamplingParams:
                     f"logit_bias values must be in [-100, 100], got {bias} for token {tok}",
                     param="logit_bias",
                 )
-        if self.structured_outputs is not None and not isinstance(
-            self.structured_outputs, StructuredOutputsParams
-        ):
-            raise BadRequestError(
-                "structured_outputs must be a StructuredOutputsParams", param="structured_outputs"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_int(name, value, lo=0)
-                if value > 20:
-                    raise BadRequestError(f"{name} must be at most 20, got {value}", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.core.sched_output import IdleReason, StepRecord
 
@@ -45,6 +45,10 @@ class EngineStats:
         """Each reason's share of idle row-iterations (sums to 1 when any row was idle)."""
         total = self.num_idle_rows
         return {k: (v / total if total else 0.0) for k, v in self.idle_rows_by_reason.items()}
+
+    def totals(self) -> EngineStats:
+        """A copy of the counters without the per-step records, safe to hand to another thread."""
+        return replace(self, idle_rows_by_reason=dict(self.idle_rows_by_reason), records=deque(maxlen=1))
 
     def add_step(self, record: StepRecord, num_new_tokens: int) -> None:
         self.num_preemptions += record.num_preemptions

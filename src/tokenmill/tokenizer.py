@@ -29,6 +29,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
+# the GGUF keys whose tokens end a generation
+GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 logger = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -109,22 +111,12 @@ class Tokenizer:
         if len(token_types) != len(tokens):
             raise ValueError(f"{source}: {len(token_types)} token types for {len(tokens)} tokens")
 
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            if tok in vocab:  # some converted vocabularies repeat a string; the first id wins
-                logger.warning("%s: token %r repeated at ids %d and %d", source, tok, vocab[tok], i)
-                continue
-            vocab[tok] = i
-        if model == "gpt2":
-            merges: list[str] = meta.require("tokenizer.ggml.merges")
-            merge_pairs = [_split_merge(m, source) for m in merges]
-            backend = _RustTokenizer(
-                models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
-            )
-            backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default", source)
-            backend.decoder = decoders.ByteLevel()
-        else:
-            backend = _sentencepiece_backend(meta, tokens, vocab, source)
+        vocab = _first_ids(tokens, source)
+        backend = (
+            _byte_level_backend(meta, vocab, source)
+            if model == "gpt2"
+            else _sentencepiece_backend(meta, tokens, vocab, source)
+        )
         # Control tokens (<|im_start|>) are special: matched whole, dropped from decoded text. User-defined ones
         # (Qwen's <tool_call>) are matched whole too but are text, as llama.cpp renders them and as the model's
         # own tokenizer.json marks them (special: false): a tool-call parser and a grammar both see "<tool_call>".
@@ -137,22 +129,8 @@ class Tokenizer:
         backend.add_tokens([t for t in added if not t.special])
 
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
-        eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (older files have no flag)
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-        if add_bos or add_eos:
-            backend.post_processor = _bos_eos_processor(
-                (tokens[bos_id], bos_id) if add_bos else None, (tokens[eos_id], eos_id) if add_eos else None
-            )
-        eos_ids = {
-            meta.get(key)
-            for key in (
-                "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id",
-            )
-        }
+        _add_bos_eos(backend, meta, tokens, model == "llama")
+        eos_ids = {meta.get(key) for key in GGUF_EOS_KEYS}
         extra_special = {
             meta.get("tokenizer.ggml.unknown_token_id"),
             meta.get("tokenizer.ggml.padding_token_id"),
@@ -346,6 +324,40 @@ def _split_merge(merge: str, source: str) -> tuple[str, str]:
     if not sep or not left or not right:
         raise ValueError(f"{source}: malformed BPE merge {merge!r}")
     return left, right
+
+
+def _first_ids(tokens: list[str], source: str) -> dict[str, int]:
+    """token -> id; some converted vocabularies repeat a string, and the first id wins."""
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if tok in vocab:
+            logger.warning("%s: token %r repeated at ids %d and %d", source, tok, vocab[tok], i)
+            continue
+        vocab[tok] = i
+    return vocab
+
+
+def _byte_level_backend(meta: Any, vocab: dict[str, int], source: str) -> Any:
+    """GPT-2 style byte-level BPE from the GGUF's merges and pre-tokenizer name."""
+    merges: list[str] = meta.require("tokenizer.ggml.merges")
+    merge_pairs = [_split_merge(m, source) for m in merges]
+    backend = _RustTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default", source)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_bos_eos(backend: Any, meta: Any, tokens: list[str], sentencepiece: bool) -> None:
+    """BOS / EOS added around every encoding as the file says; llama.cpp adds BOS to a SentencePiece vocabulary
+    that does not say otherwise (older files have no flag)."""
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)) and bos_id is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+    if add_bos or add_eos:
+        backend.post_processor = _bos_eos_processor(
+            (tokens[bos_id], bos_id) if add_bos else None, (tokens[eos_id], eos_id) if add_eos else None
+        )
 
 
 def _sentencepiece_backend(

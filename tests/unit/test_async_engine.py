@@ -23,6 +23,7 @@ from tokenmill.server.async_engine import (
     QueueFullError,
     collect,
 )
+from tokenmill.stats import EngineStats
 
 
 class FakeTokenizer:
@@ -58,14 +59,7 @@ class FakeEngine:
         self.pending: list[str] = []
         self.num_steps = 0
         self.thread_ids: set[int] = set()
-        self.stats = SimpleNamespace(
-            num_preemptions=0,
-            num_iterations=0,
-            num_token_slots=0,
-            num_recomputed_tokens=0,
-            occupancy=0.0,
-            idle_rows_by_reason={"queue_empty": 0},
-        )
+        self.stats = EngineStats()
         self.num_total_blocks = 10
 
     def _touch(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.server.metrics import EngineSnapshot, RequestEvent, ServerMetrics
+from tokenmill.stats import EngineStats
 
 
 def parse(text: str) -> dict[str, float]:
@@ -23,10 +24,12 @@ def parse(text: str) -> dict[str, float]:
 
 def test_counters_mirror_engine_totals_and_never_shrink() -> None:
     m = ServerMetrics("tiny")
-    m.update_engine(EngineSnapshot(num_preemptions=5), num_in_flight=0, alive=True)
-    m.update_engine(EngineSnapshot(num_preemptions=3), num_in_flight=0, alive=True)
+    m.update_engine(EngineSnapshot(totals=EngineStats(num_preemptions=5)), num_in_flight=0, alive=True)
+    m.update_engine(EngineSnapshot(totals=EngineStats(num_preemptions=3)), num_in_flight=0, alive=True)
     assert parse(m.render())['vllm:num_preemptions_total{model_name="tiny"}'] == 5
-    m.update_engine(EngineSnapshot(num_preemptions=7), num_in_flight=0, alive=True, num_failed_steps=2)
+    m.update_engine(
+        EngineSnapshot(totals=EngineStats(num_preemptions=7)), num_in_flight=0, alive=True, num_failed_steps=2
+    )
     samples = parse(m.render())
     assert samples['vllm:num_preemptions_total{model_name="tiny"}'] == 7
     assert samples['tokenmill:failed_steps_total{model_name="tiny"}'] == 2
@@ -89,9 +92,12 @@ def test_server_metrics_observe_and_engine_snapshot() -> None:
             num_running=3,
             num_waiting=2,
             kv_cache_usage=0.25,
-            num_preemptions=4,
-            occupancy=0.5,
-            idle_rows_by_reason={"queue_empty": 9, "kv_pool_full": 1},
+            totals=EngineStats(
+                num_preemptions=4,
+                num_token_slots=10,
+                num_rows_possible=20,  # occupancy 0.5
+                idle_rows_by_reason={"queue_empty": 9, "kv_pool_full": 1},
+            ),
         ),
         num_in_flight=5,
         alive=True,

@@ -8,7 +8,7 @@ on any machine) and the times (true on this one) as two separate blocks.
     tokenmill bench batching --unit-clock             # every iteration costs 1: the schedule, in iterations
     tokenmill bench batching --workload w.jsonl       # {"prompt" | "prompt_len", "max_tokens", "arrival_time_s"}
     tokenmill bench batching --json --plot continuous-vs-static.png
-    tokenmill bench batching --compare-reserve        # Week 9: reserve=worst_case vs none on one small pool
+    tokenmill bench batching --compare-reserve        # reserve=worst_case vs none on one small pool
 
 ``--compare-reserve`` runs only the engine, twice, over one pool of ``--num-kv-blocks`` blocks (default: room
 for four worst-case reservations of a typical request, 4 blocks of 16 on the seed workload), once with
@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from tokenmill.bench.timing import BatchingComparison, BatchTiming, ContinuousTiming
 from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
@@ -112,8 +113,19 @@ def run_bench_batching(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    _print_batching(result, workload.name, config, args)
+    if args.plot:
+        from tokenmill.bench.plot import plot_batching
+
+        path = plot_batching(result.static, result.continuous, args.plot)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _print_batching(result: Any, workload_name: str, config: Any, args: argparse.Namespace) -> None:
+    """The static-vs-continuous result: JSON, or the header, the report and the prefix-cache line."""
     header = (
-        f"workload: {workload.name}\nmodel: {result.model_name} on {result.device} {result.dtype};"
+        f"workload: {workload_name}\nmodel: {result.model_name} on {result.device} {result.dtype};"
         f" max_num_seqs {config.max_num_seqs}, block_size {config.block_size},"
         f" num_kv_blocks {result.num_kv_blocks}, reserve={config.reserve};"
         f" clock: {'unit (every iteration costs 1)' if args.unit_clock else 'wall'}"
@@ -122,7 +134,7 @@ def run_bench_batching(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "workload": workload.name,
+                    "workload": workload_name,
                     "model": result.model_name,
                     "device": result.device,
                     "dtype": result.dtype,
@@ -151,12 +163,6 @@ def run_bench_batching(args: argparse.Namespace) -> int:
                 f"prefix cache: {hit} of {queried} tokens looked up were cached ({hit / queried:.1%}), "
                 f"{stats.get('num_prefix_evicted_blocks', 0)} blocks evicted"
             )
-    if args.plot:
-        from tokenmill.bench.plot import plot_batching
-
-        path = plot_batching(result.static, result.continuous, args.plot)
-        print(f"wrote {path}", file=sys.stderr)
-    return 0
 
 
 # --- tables ------------------------------------------------------------------------------------------

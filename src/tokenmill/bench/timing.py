@@ -105,9 +105,36 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
 
-# --- static batching (Day 29) --------------------------------------------------------------------------
+class _RunTotals:
+    """What a static and a continuous run compute the same way from their records: the tokens kept, the mean
+    latency and the goodput over the whole run."""
+
+    request_ids: tuple[str, ...]
+    tokens: dict[str, tuple[int, ...]]
+    # and, each its own way: makespan_s (a static run's is the sum of its phases) and latency_s
+
+    @property
+    def latency_s(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    @property
+    def collected_tokens(self) -> int:
+        """Every token any request kept, its first (prefill) token included."""
+        return sum(len(t) for t in self.tokens.values())
+
+    @property
+    def mean_latency_s(self) -> float:
+        return _ratio(sum(self.latency_s.values()), len(self.request_ids))
+
+    @property
+    def end_to_end_goodput_tps(self) -> float:
+        """Collected tokens over the whole run, prefill and waiting included: comparable between the loops."""
+        return _ratio(self.collected_tokens, self.makespan_s)  # type: ignore[attr-defined]
+
+
+# --- static batching -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class BatchTiming:
+class BatchTiming(_RunTotals):
     """One static batch: a padded prefill phase, then decode steps until the longest row is done.
 
     Rows are in batch order (``request_ids``); row ``i`` wanted ``max_tokens[i]`` tokens: the one its prefill
@@ -144,11 +171,6 @@ class BatchTiming:
         return sum(m - 1 for m in self.max_tokens)
 
     @property
-    def collected_tokens(self) -> int:
-        """Every token any row kept: ``useful_tokens + batch_size``."""
-        return sum(len(t) for t in self.tokens.values())
-
-    @property
     def token_slots(self) -> int:
         """Rows times forward passes, prefill included (the seed's 256)."""
         return self.batch_size * self.num_iterations
@@ -177,11 +199,6 @@ class BatchTiming:
     def makespan_s(self) -> float:
         return self.start_s + self.prefill_time_s + self.decode_time_s
 
-    @property
-    def end_to_end_goodput_tps(self) -> float:
-        """Collected tokens over the whole run, prefill and waiting included: comparable with the other loop."""
-        return _ratio(self.collected_tokens, self.makespan_s)
-
     def row_done_s(self, request_id: str) -> float:
         """When the row had sampled its last wanted token (it is not handed back until the makespan)."""
         m = self.max_tokens[self.request_ids.index(request_id)]
@@ -190,10 +207,6 @@ class BatchTiming:
     @property
     def latency_s(self) -> dict[str, float]:
         return {rid: self.makespan_s - self.arrival_time_s[rid] for rid in self.request_ids}
-
-    @property
-    def mean_latency_s(self) -> float:
-        return _ratio(sum(self.latency_s.values()), self.batch_size)
 
     @property
     def first_answer_s(self) -> float:
@@ -301,7 +314,7 @@ def _arrivals(ids: Sequence[str], arrival_time_s: Mapping[str, float] | None) ->
     return arrivals
 
 
-# --- continuous batching (Day 32) --------------------------------------------------------------------
+# --- continuous batching ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class IterationOutcome:
     """What one engine iteration reports to :func:`time_continuous_run`.
@@ -319,7 +332,7 @@ class IterationOutcome:
 
 
 @dataclass(frozen=True)
-class ContinuousTiming:
+class ContinuousTiming(_RunTotals):
     """One continuous-batching run: one record per iteration that computed a row.
 
     Times are relative to the start of the run, in ``clock_unit``; ``iteration_end_s[i]`` is when iteration
@@ -349,11 +362,6 @@ class ContinuousTiming:
     def token_slots(self) -> int:
         """Row-iterations computed (a prefill row counts once, like the static side's)."""
         return sum(self.batch_sizes)
-
-    @property
-    def collected_tokens(self) -> int:
-        """Every token any request kept, its first (prefill) token included."""
-        return sum(len(t) for t in self.tokens.values())
 
     @property
     def waste_fraction(self) -> float:
@@ -410,17 +418,9 @@ class ContinuousTiming:
         return {rid: self.finish_time_s[rid] - self.arrival_time_s[rid] for rid in self.request_ids}
 
     @property
-    def mean_latency_s(self) -> float:
-        return _ratio(sum(self.latency_s.values()), len(self.request_ids))
-
-    @property
     def first_answer_s(self) -> float:
         """When the first request had its whole answer (from the start of the run)."""
         return min(self.finish_time_s.values()) if self.finish_time_s else math.nan
-
-    @property
-    def end_to_end_goodput_tps(self) -> float:
-        return _ratio(self.collected_tokens, self.makespan_s)
 
     def iteration_start_s(self, i: int) -> float:
         return self.iteration_end_s[i] - self.iteration_times_s[i]
@@ -508,25 +508,9 @@ def time_continuous_run(
             clock.iteration_done()
         t1 = clock.now()
         rec.record(outcome, t0 - t_run, t1 - t_run)
-    t_end = clock.now()
     if rec.unfinished():
         raise RuntimeError(f"the run ended with requests that never reported finishing: {rec.unfinished()}")
-    return ContinuousTiming(
-        request_ids=ids,
-        max_num_seqs=max_num_seqs,
-        arrival_time_s=arrivals,
-        batch_sizes=tuple(rec.batch_sizes),
-        iteration_times_s=tuple(rec.iteration_times),
-        iteration_end_s=tuple(rec.iteration_ends),
-        token_request_ids=tuple(rec.token_ids),
-        preempted_ids=tuple(rec.preempted),
-        idle_rows=tuple(rec.idle),
-        finish_iteration=rec.finish_iteration,
-        finish_time_s={rid: rec.iteration_ends[i] for rid, i in rec.finish_iteration.items()},
-        tokens={rid: tuple(rec.tokens[rid]) for rid in ids},
-        makespan_s=t_end - t_run,
-        clock_unit=clock.unit,
-    )
+    return rec.timing(arrivals, clock.now() - t_run, clock.unit)
 
 
 def _is_iteration(outcome: IterationOutcome) -> bool:
@@ -541,6 +525,25 @@ def _is_iteration(outcome: IterationOutcome) -> bool:
 
 class _ContinuousRecorder:
     """Checks each reported outcome against what came before and records it."""
+
+    def timing(self, arrivals: dict[str, float], makespan_s: float, clock_unit: str) -> ContinuousTiming:
+        """The run as recorded (call once every request has finished)."""
+        return ContinuousTiming(
+            request_ids=self.ids,
+            max_num_seqs=self.max_num_seqs,
+            arrival_time_s=arrivals,
+            batch_sizes=tuple(self.batch_sizes),
+            iteration_times_s=tuple(self.iteration_times),
+            iteration_end_s=tuple(self.iteration_ends),
+            token_request_ids=tuple(self.token_ids),
+            preempted_ids=tuple(self.preempted),
+            idle_rows=tuple(self.idle),
+            finish_iteration=self.finish_iteration,
+            finish_time_s={rid: self.iteration_ends[i] for rid, i in self.finish_iteration.items()},
+            tokens={rid: tuple(self.tokens[rid]) for rid in self.ids},
+            makespan_s=makespan_s,
+            clock_unit=clock_unit,
+        )
 
     def __init__(self, ids: tuple[str, ...], max_num_seqs: int) -> None:
         self.ids = ids

@@ -48,18 +48,15 @@ class PrefillSeq:
         return self.seq_len > self.end - self.start
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V), each [num_blocks, block_size, Hkv, D]
+
+
 class AttentionPlan(Protocol):
-    """How a backend attends a step: writes every row of ``out [num_tokens, num_heads, head_dim]``."""
+    """How a backend attends a step: ``q [num_tokens, num_heads, head_dim]`` -> the same shape."""
 
     def attend(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> None: ...
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -196,15 +193,11 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -
 
 
 def paged_attention_windowed(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int,
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int
 ) -> torch.Tensor:
     """Sliding-window attention, one sequence at a time: each reads only the blocks holding keys some query of its
     can see (the window before its first new token onwards), one SDPA call with the causal-and-window mask."""
+    k_cache, v_cache = kv_cache
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
     bs = meta.block_size
     for i, seq_len in enumerate(meta.seq_lens):
@@ -279,11 +272,7 @@ def paged_attention(
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.num_tokens} tokens")
     if window is not None and max(meta.seq_lens, default=0) > window:
-        return paged_attention_windowed(q, k_cache, v_cache, meta, scale, window)
+        return paged_attention_windowed(q, (k_cache, v_cache), meta, scale, window)
     if meta.plan is None:
-        raise ValueError(
-            "the metadata has no attention plan: build it with the model's backend (backend.plan)"
-        )
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous whatever q's strides
-    meta.plan.attend(out, q, k_cache, v_cache, meta, scale)
-    return out
+        raise ValueError("the metadata has no attention plan: build it with the model's backend (plan)")
+    return meta.plan.attend(q, (k_cache, v_cache), meta, scale)

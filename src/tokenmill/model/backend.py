@@ -6,7 +6,8 @@ The model (``llama.py``) describes the network; its backend decides how each pie
   fused decode stack);
 * ``plan(query_lens, seq_lens, block_tables, block_size)`` builds a step's :class:`AttentionMetadata`, with the
   one attention plan this backend runs and the fused elementwise ops (or None), once, before layer 0;
-* ``fused_forward(...)`` runs a whole step in one call where the backend has such a path (else None);
+* ``fused_step(meta)`` hands the model a function that runs the whole step in one call, where the backend has
+  one for it (else None);
 * ``describe()`` is what ``tokenmill info --load`` and the start line report.
 
 :class:`TorchBackend` is plain torch on the model's device: CUDA (SDPA for prefills), or CPU without the C++
@@ -16,6 +17,7 @@ kernels or in another dtype than float32 (chunked matmuls for prefills). The CPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from tokenmill.model.attention import (
     AttentionMetadata,
     DecodeBucket,
+    KVCache,
     PrefillSeq,
     gather_context,
     plan_decode_buckets,
@@ -32,7 +35,7 @@ from tokenmill.model.attention import (
 )
 
 if TYPE_CHECKING:
-    from tokenmill.model.llama import KVCache, LlamaForCausalLM
+    from tokenmill.model.llama import LlamaForCausalLM
 
 _PREFILL_CHUNK_TOKENS = 128  # CPU prefill: queries per matmul chunk
 
@@ -48,30 +51,29 @@ class TorchPlan:
     use_sdpa: bool
 
     def attend(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> None:
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty(
+            q.shape, dtype=q.dtype, device=q.device
+        )  # [T, Hq, D], contiguous whatever q's strides
+        k_cache, v_cache = kv_cache
         for bucket in self.decode_buckets:
             out.index_copy_(0, bucket.token_rows, _decode_bucket(q, k_cache, v_cache, bucket, scale))
-        attend_prefills(out, q, k_cache, v_cache, self.prefills, scale, self.use_sdpa)
+        attend_prefills(out, q, kv_cache, self.prefills, scale, self.use_sdpa)
+        return out
 
 
 def attend_prefills(
     out: torch.Tensor,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: KVCache,
     prefills: list[PrefillSeq],
     scale: float,
     use_sdpa: bool,
 ) -> None:
     """Each prefill's rows of ``out``, one sequence at a time (SDPA, or chunked matmuls)."""
     prefill = _prefill_sdpa if use_sdpa else _prefill_chunked
+    k_cache, v_cache = kv_cache
     for seq in prefills:
         k = gather_context(k_cache, seq.block_ids, seq.seq_len)  # [S, Hkv, D]
         v = gather_context(v_cache, seq.block_ids, seq.seq_len)  # [S, Hkv, D]
@@ -110,16 +112,9 @@ class TorchBackend:
         )
         return meta
 
-    def fused_forward(
-        self,
-        model: LlamaForCausalLM,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor | None:
-        """The whole step in one call, or None: the model runs layer by layer."""
+    def fused_step(self, meta: AttentionMetadata) -> Callable[..., torch.Tensor] | None:
+        """``fn(x, rope, meta, kv_caches) -> hidden`` running the whole step in one call, or None: the model
+        runs layer by layer."""
         return None
 
     def describe(self) -> dict[str, Any]:

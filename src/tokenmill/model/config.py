@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.tokenizer import GGUF_EOS_KEYS
+
 _REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -211,32 +213,19 @@ class LlamaConfig:
         lacks an ``output`` tensor; ``rope_freq_factors`` is the ``rope_freqs`` tensor when present;
         ``qkv_bias`` / ``qk_norm`` whether the file has ``attn_q.bias`` / ``attn_q_norm`` tensors.
         """
-        arch = meta.get("general.architecture")
-        if arch not in _GGUF_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported GGUF architecture {arch!r}: supported are {', '.join(_GGUF_ARCHITECTURES)}"
-            )
+        arch = _gguf_architecture(meta)
 
         def need(key: str) -> Any:
             if f"{arch}.{key}" not in meta:
                 raise ValueError(f"GGUF metadata is missing {arch}.{key}")
             return meta[f"{arch}.{key}"]
 
-        if meta.get(f"{arch}.expert_count"):
-            raise ValueError(
-                f"unsupported GGUF: MoE layers ({arch}.expert_count={meta[f'{arch}.expert_count']})"
-            )
         hidden_size = int(need("embedding_length"))
         num_heads = int(need("attention.head_count"))
         num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden_size // num_heads))
         rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-        eos_keys = (
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id",
-            "tokenizer.ggml.eom_token_id",
-        )
-        eos = [meta.get(key) for key in eos_keys]
+        eos = [meta.get(key) for key in GGUF_EOS_KEYS]
         window = meta.get(f"{arch}.attention.sliding_window")
         return cls(
             vocab_size=vocab_size,
@@ -263,6 +252,18 @@ class LlamaConfig:
 
 
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+
+
+def _gguf_architecture(meta: dict[str, Any]) -> str:
+    """``general.architecture``, refused unless it is a family of the one decoder (and not MoE)."""
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}: supported are {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+    if meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"unsupported GGUF: MoE layers ({arch}.expert_count={meta[f'{arch}.expert_count']})")
+    return str(arch)
 
 
 def _hf_family(d: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from one fused matmul, gate and up from another. Weights arrive with Hugging Fac
 
 How each piece runs is the model's compute backend's choice (``backend.py``): it plans the step's attention
 (:meth:`LlamaForCausalLM.plan_attention`), hands the layers its fused elementwise ops through the metadata
-(``meta.ops``, None for torch's), and may run a whole step in one call (``fused_forward``).
+(``meta.ops``, None for torch's), and may run a whole step in one call (``fused_step``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.attention import KVCache as KVCache  # re-exported: the runner and the backends take it
 from tokenmill.model.backend import TorchBackend
 from tokenmill.model.config import LlamaConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-# fn(x [M, K], packed weight, N) -> [M, N]: a matmul by a weight reordered once for it (cpu_packing)
+# fn(x [M, K], packed weight, N) -> [M, N]: a matmul by a weight reordered once for it (cpu/packing.py)
 PackedMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # Tensors some checkpoints carry that the model recomputes instead.
 _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -105,6 +105,9 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, R // 2] each, for the first R dims of each head
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by per-token angles; ``cos``/``sin`` are ``[T, 1, R // 2]`` for the first R dims.
 
@@ -134,17 +137,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
+        self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
+        cos, sin = rope
         ops = meta.ops
         if self.q_norm is not None and self.k_norm is not None:
             if ops is not None:
@@ -199,17 +198,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
+        self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. On the fused CPU path ``x`` is updated in place (it is the
         forward's own tensor: the embedding lookup or the previous layer's sum)."""
         ops = meta.ops
-        attn_out = self.self_attn(self.input_layernorm(x, ops), cos, sin, meta, kv_cache)
+        attn_out = self.self_attn(self.input_layernorm(x, ops), rope, meta, kv_cache)
         post_norm = self.post_attention_layernorm
         if ops is not None and attn_out.is_contiguous():  # x += attn_out, then the norm, in one pass
             normed = ops.add_rms_norm_(x, attn_out, post_norm.weight, post_norm.eps)
@@ -269,12 +263,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         # one rotation for both paths: a token's K/V must not depend on which path computed it (with 8-bit
         # activations the rounding turns an ulp of difference into a step)
-        cos, sin = self._rope_cos_sin(positions, x.dtype)  # [T, 1, R/2] each
-        fused = self.compute_backend().fused_forward(self, x, cos, sin, meta, kv_caches)
-        if fused is not None:
-            return fused
+        rope = self._rope_cos_sin(positions, x.dtype)  # cos, sin: [T, 1, R/2] each
+        fused = self.compute_backend().fused_step(meta)
+        if fused is not None:  # the whole step in one call (the backend's decode stack)
+            return fused(x, rope, meta, kv_caches)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache)
+            x = layer(x, rope, meta, kv_cache)
         return self.model.norm(x, meta.ops)
 
     def _rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,28 +95,10 @@ def load_model(
     """
     from tokenmill.tokenizer import Tokenizer
 
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization must be one of None, {', '.join(QUANTIZATIONS)}, got {quantization!r}"
-        )
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
-    from tokenmill.models import CATALOGUE, resolve
-
-    path = embedded_model_path() if model is None else Path(resolve(model)).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"model path not found: {model} (tokenmill loads local .gguf files, HF model directories, or a model "
-            f"`tokenmill pull` fetched: {', '.join(CATALOGUE)})"
-        )
+    path = _model_path(model)
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
-    if quantization in GGUF_BLOCK_MODES:
-        if not is_gguf:
-            raise ValueError(f"quantization={quantization!r} needs a .gguf file, got {path}")
-        if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
-            raise ValueError(
-                f"quantization={quantization!r} runs on CPU in float32 (activations); use quantization='fp32' "
-                f"for {resolved_device.type} / {resolved_dtype}"
-            )
+    _check_quantization(quantization, path, is_gguf, resolved_device, resolved_dtype)
     if path.is_dir():
         from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 
@@ -124,18 +106,10 @@ def load_model(
         safetensors_files(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         config, llama = load_hf_model(path, resolved_device, resolved_dtype, config)
-    elif path.suffix.lower() == ".gguf":
-        from tokenmill.model.gguf_loader import GGUFFile
-
-        gguf_file = GGUFFile(path, cache_dir)
-        if quantization is None and _keeps_gguf_blocks(gguf_file, resolved_device, resolved_dtype):
-            quantization = "gguf"
-        # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
-        tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
-        if quantization in GGUF_BLOCK_MODES:
-            config, llama = gguf_file.load_quantized_model(int8_activations=quantization == "gguf-q8")
-        else:
-            config, llama = gguf_file.load_model(resolved_device, resolved_dtype)
+    elif is_gguf:
+        config, llama, tokenizer, quantization = _load_gguf(
+            path, cache_dir, quantization, resolved_device, resolved_dtype
+        )
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
     if quantization == "int8":
@@ -157,6 +131,55 @@ def load_model(
         quantization=quantization or ("fp32" if is_gguf else None),
         weight_bytes=weight_bytes(llama),
     )
+
+
+def _load_gguf(
+    path: Path, cache_dir: str | None, quantization: str | None, device: torch.device, dtype: torch.dtype
+) -> tuple[LlamaConfig, LlamaForCausalLM, Tokenizer, str | None]:
+    """A GGUF's config, model and tokenizer, and the quantization it got (its blocks kept by default)."""
+    from tokenmill.model.gguf_loader import GGUFFile
+    from tokenmill.tokenizer import Tokenizer
+
+    gguf_file = GGUFFile(path, cache_dir)
+    if quantization is None and _keeps_gguf_blocks(gguf_file, device, dtype):
+        quantization = "gguf"
+    # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
+    tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
+    if quantization in GGUF_BLOCK_MODES:
+        config, llama = gguf_file.load_quantized_model(int8_activations=quantization == "gguf-q8")
+    else:
+        config, llama = gguf_file.load_model(device, dtype)
+    return config, llama, tokenizer, quantization
+
+
+def _model_path(model: str | None) -> Path:
+    from tokenmill.models import CATALOGUE, resolve
+
+    path = embedded_model_path() if model is None else Path(resolve(model)).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model path not found: {model} (tokenmill loads local .gguf files, HF model directories, or a model "
+            f"`tokenmill pull` fetched: {', '.join(CATALOGUE)})"
+        )
+    return path
+
+
+def _check_quantization(
+    quantization: str | None, path: Path, is_gguf: bool, device: torch.device, dtype: torch.dtype
+) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of None, {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    if quantization not in GGUF_BLOCK_MODES:
+        return
+    if not is_gguf:
+        raise ValueError(f"quantization={quantization!r} needs a .gguf file, got {path}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU in float32 (activations); use quantization='fp32' "
+            f"for {device.type} / {dtype}"
+        )
 
 
 def _keeps_gguf_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) -> bool:

@@ -253,22 +253,8 @@ def build_quantized_llama(
                 dense[n] = QuantizedWeight.from_groups([quantized.pop(n)], tile_rows).dequantize()
 
     for i, layer in enumerate(model.model.layers):
-        p = f"model.layers.{i}"
-        fused_qkv, fused_gate_up = f"{p}.self_attn.qkv_proj.weight", f"{p}.mlp.gate_up_proj.weight"
-        qkv = (
-            [fused_qkv]
-            if fused_qkv in quantized or fused_qkv in dense
-            else [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v")]
-        )
-        gate_up = (
-            [fused_gate_up]
-            if fused_gate_up in quantized or fused_gate_up in dense
-            else [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")]
-        )
-        take(layer.self_attn, "qkv_proj", qkv)
-        take(layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj.weight"])
-        take(layer.mlp, "gate_up_proj", gate_up)
-        take(layer.mlp, "down_proj", [f"{p}.mlp.down_proj.weight"])
+        for parent, attr, names in _projection_parts(i, layer, quantized.keys() | dense.keys()):
+            take(parent, attr, names)
     embed = quantized.pop("model.embed_tokens.weight", None)
     if embed is not None:
         table = QuantizedWeight.from_groups([embed], tile_rows, int8_activations)
@@ -286,6 +272,23 @@ def build_quantized_llama(
     fused = fuse_hf_state_dict(config, dense, absent=consumed)
     model.load_fused_state_dict({k: v.float() for k, v in fused.items()})
     return model.eval()
+
+
+def _projection_parts(i: int, layer: nn.Module, present: set[str]) -> list[tuple[nn.Module, str, list[str]]]:
+    """Layer ``i``'s projections: (parent module, attribute, the HF names of its parts), q/k/v and gate/up as
+    one fused tensor where the checkpoint has it fused (Phi-3), else as parts."""
+    p = f"model.layers.{i}"
+    fused_qkv, fused_gate_up = f"{p}.self_attn.qkv_proj.weight", f"{p}.mlp.gate_up_proj.weight"
+    qkv = [fused_qkv] if fused_qkv in present else [f"{p}.self_attn.{x}_proj.weight" for x in ("q", "k", "v")]
+    gate_up = (
+        [fused_gate_up] if fused_gate_up in present else [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")]
+    )
+    return [
+        (layer.self_attn, "qkv_proj", qkv),
+        (layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj.weight"]),
+        (layer.mlp, "gate_up_proj", gate_up),
+        (layer.mlp, "down_proj", [f"{p}.mlp.down_proj.weight"]),
+    ]
 
 
 def quantized_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

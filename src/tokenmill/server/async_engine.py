@@ -513,14 +513,7 @@ class AsyncEngine:
             kv_cache_usage=float(engine.kv_cache_usage),
             num_free_blocks=engine.num_free_blocks,
             num_total_blocks=engine.num_total_blocks,
-            num_preemptions=stats.num_preemptions,
-            num_iterations=stats.num_iterations,
-            num_token_slots=stats.num_token_slots,
-            num_recomputed_tokens=stats.num_recomputed_tokens,
-            occupancy=float(stats.occupancy),
-            num_prefix_queried_tokens=getattr(stats, "num_prefix_queried_tokens", 0),
-            num_prefix_hit_tokens=getattr(stats, "num_prefix_hit_tokens", 0),
-            idle_rows_by_reason=dict(stats.idle_rows_by_reason),
+            totals=stats.totals(),
         )
         self.snapshot = snap
         with self._lock:

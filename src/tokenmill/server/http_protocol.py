@@ -23,68 +23,71 @@ MAX_HEADER_BYTES = 64 * 1024
 def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S) -> type[H11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)``; the header size limit is the Config's
     ``h11_max_incomplete_event_size``."""
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"header_timeout_s": header_timeout_s})
 
-    class BoundedH11Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's headers and JSON errors (400, 431)."""
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            super().connection_lost(exc)
+    header_timeout_s = HEADER_TIMEOUT_S
+    _header_timer: asyncio.TimerHandle | None = None
 
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm_header_timer()  # the headers are in
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()  # may start a pipelined request's cycle at once
-            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
-                self._arm_header_timer()  # the next request on this connection gets the same deadline
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
 
-        def send_400_response(self, msg: str) -> None:
-            buffered = len(self.conn.trailing_data[0])
-            if buffered >= self.conn._max_incomplete_event_size:  # h11 gave up on headers this large
-                self._send_json_error(431, "Request Header Fields Too Large", "request headers are too large")
-                return
-            self._send_json_error(400, "Bad Request", f"invalid HTTP request: {msg}")
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm_header_timer()  # the headers are in
 
-        def _send_json_error(self, status: int, reason: str, message: str) -> None:
-            body = json.dumps(
-                {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-            ).encode()
-            conn = h11.Connection(h11.SERVER)  # the client's connection is in h11's error state: start clean
-            conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            conn.next_event()
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ]
-            out = conn.send(h11.Response(status_code=status, headers=headers, reason=reason.encode()))
-            out = (
-                (out or b"")
-                + (conn.send(h11.Data(data=body)) or b"")
-                + (conn.send(h11.EndOfMessage()) or b"")
-            )
-            self.transport.write(out)
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request's cycle at once
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._arm_header_timer()  # the next request on this connection gets the same deadline
+
+    def send_400_response(self, msg: str) -> None:
+        buffered = len(self.conn.trailing_data[0])
+        if buffered >= self.conn._max_incomplete_event_size:  # h11 gave up on headers this large
+            self._send_json_error(431, "Request Header Fields Too Large", "request headers are too large")
+            return
+        self._send_json_error(400, "Bad Request", f"invalid HTTP request: {msg}")
+
+    def _send_json_error(self, status: int, reason: str, message: str) -> None:
+        self.transport.write(_json_error_response(status, reason, message))
+        self.transport.close()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_deadline(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self.transport.close()
 
-        def _arm_header_timer(self) -> None:
-            self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._header_deadline)
 
-        def _disarm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_deadline(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
-                self.transport.close()
-
-    return BoundedH11Protocol
+def _json_error_response(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP response with an OpenAI-shaped JSON error, closing the connection."""
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    ).encode()
+    conn = h11.Connection(h11.SERVER)  # the client's connection is in h11's error state: start clean
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    conn.next_event()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    out = conn.send(h11.Response(status_code=status, headers=headers, reason=reason.encode()))
+    return (out or b"") + (conn.send(h11.Data(data=body)) or b"") + (conn.send(h11.EndOfMessage()) or b"")

@@ -39,8 +39,13 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag of ``tokenmill serve``: the engine's, then the server's."""
     add_engine_arguments(parser)
+    _add_http_arguments(parser.add_argument_group("server"))
+    _add_ray_arguments(
+        parser.add_argument_group("data-parallel replicas on Ray Serve (optional extra: tokenmill[ray])")
+    )
 
-    s = parser.add_argument_group("server")
+
+def _add_http_arguments(s: Any) -> None:
     s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -55,6 +60,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="engine requests that may wait (accepted, not yet admitted to the batch) before new ones get 429",
     )
+    _add_limit_arguments(s)
+    s.add_argument(
+        "--allowed-origins", default=None, help="CORS: JSON list of origins, e.g. '[\"*\"]' (off by default)"
+    )
+    s.add_argument("--allowed-methods", default='["*"]', help="CORS: JSON list of methods")
+    s.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of request headers")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "llama3_json"],
+        help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; llama3_json: a JSON object)",
+    )
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument(
+        "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
+    )
+
+
+def _add_limit_arguments(s: Any) -> None:
+    """What the server bounds: queue, sizes, times, connections, failures."""
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     s.add_argument("--max-header-bytes", type=int, default=64 << 10, help="larger request headers get 431")
     s.add_argument(
@@ -76,12 +102,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="open connections beyond this get 503 (uvicorn's limit_concurrency)",
     )
     s.add_argument(
-        "--allowed-origins", default=None, help="CORS: JSON list of origins, e.g. '[\"*\"]' (off by default)"
-    )
-    s.add_argument("--allowed-methods", default='["*"]', help="CORS: JSON list of methods")
-    s.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of request headers")
-    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -93,14 +113,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="failed steps in a row after which /health turns 503 and the process exits with status 3",
     )
-    s.add_argument(
-        "--tool-call-parser",
-        default="hermes",
-        choices=["hermes", "llama3_json"],
-        help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; llama3_json: a JSON object)",
-    )
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    r = parser.add_argument_group("data-parallel replicas on Ray Serve (optional extra: tokenmill[ray])")
+
+
+def _add_ray_arguments(r: Any) -> None:
     r.add_argument("--ray", action="store_true", help="serve --num-replicas engines behind Ray Serve's proxy")
     r.add_argument(
         "--num-replicas", type=int, default=2, help="with --ray: replicas (the minimum when autoscaling)"
@@ -110,9 +125,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-ongoing-requests", type=int, default=16, help="with --ray: a replica's queue to scale on"
     )
     r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="with --ray: Ray CPUs per replica")
-    s.add_argument(
-        "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
-    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -125,16 +137,37 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     import uvicorn
 
-    from tokenmill import system_info
-    from tokenmill.engine import Engine
-    from tokenmill.server.app import build_app
-    from tokenmill.server.async_engine import AsyncEngine
     from tokenmill.server.http_protocol import protocol_class
-    from tokenmill.server.metrics import ServerMetrics
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    async_engine, app = _build(args, _checked_cors(args))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout) + 5),
+        http=protocol_class(args.header_timeout),
+        h11_max_incomplete_event_size=args.max_header_bytes,
+        limit_concurrency=args.max_connections,
+    )
+    server = _make_server(config)
+    try:
+        asyncio.run(_serve(server, async_engine, args.shutdown_timeout))
+    finally:
+        async_engine.stop()
+    if async_engine.error is not None:
+        logger.error("exiting with status 3: the engine is broken (%s)", async_engine.dead_message())
+        return 3
+    return 0 if server.started else 1
+
+
+def _checked_cors(args: argparse.Namespace) -> dict[str, Any] | None:
+    """ValueError for a server flag out of range; the CORS settings (None: no CORS)."""
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be a positive integer, got {args.max_queue}")
     for flag in ("max_body_bytes", "max_header_bytes", "max_connections", "max_consecutive_step_failures"):
@@ -153,6 +186,17 @@ def run_serve(args: argparse.Namespace) -> int:
             "allow_headers": _json_list("--allowed-headers", args.allowed_headers),
             "allow_credentials": args.allow_credentials,
         }
+    return cors
+
+
+def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, Any]:
+    """The engine, its thread's bridge and the app, with the start-up log lines."""
+    from tokenmill import system_info
+    from tokenmill.engine import Engine
+    from tokenmill.server.app import build_app
+    from tokenmill.server.async_engine import AsyncEngine
+    from tokenmill.server.metrics import ServerMetrics
+
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
 
     engine = Engine(engine_config_from_args(args))
@@ -184,27 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_name, args.host, args.port, engine.max_model_len, engine.num_total_blocks,
         "required" if api_key else "off",
     )  # fmt: skip
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        lifespan="on",
-        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout) + 5),
-        http=protocol_class(args.header_timeout),
-        h11_max_incomplete_event_size=args.max_header_bytes,
-        limit_concurrency=args.max_connections,
-    )
-    server = _make_server(config)
-    try:
-        asyncio.run(_serve(server, async_engine, args.shutdown_timeout))
-    finally:
-        async_engine.stop()
-    if async_engine.error is not None:
-        logger.error("exiting with status 3: the engine is broken (%s)", async_engine.dead_message())
-        return 3
-    return 0 if server.started else 1
+    return async_engine, app
 
 
 def _json_list(flag: str, value: str) -> list[str]:

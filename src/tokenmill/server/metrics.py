@@ -20,97 +20,33 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenmill.stats import EngineStats
+
 prometheus_client.disable_created_metrics()
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
-# Bucket bounds in seconds, close to vLLM's.
-TTFT_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-ITL_BUCKETS_S = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-REQUEST_BUCKETS_S = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-)
+# Bucket bounds in seconds, close to vLLM's; the latency ones share their upper part.
+_LONG_S = (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, *_LONG_S)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, *_LONG_S)
+REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """What the engine thread publishes after each step: plain numbers, safe to read from any thread."""
+    """What the engine thread publishes after each step, safe to read from any thread: the live state (gauges)
+    and a copy of the engine's own totals (:class:`~tokenmill.stats.EngineStats`, exported as they are)."""
 
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
-    num_preemptions: int = 0
-    num_iterations: int = 0
-    num_token_slots: int = 0
-    num_recomputed_tokens: int = 0
-    occupancy: float = 0.0
-    num_prefix_queried_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-    idle_rows_by_reason: Mapping[str, int] = field(default_factory=dict)
-    num_failed_steps: int = 0
+    totals: EngineStats = field(default_factory=EngineStats)
 
 
-# Totals the engine itself keeps (EngineStats), exported as they are by _EngineTotals: (name, help, field of
-# the snapshot). The name is without "_total", which prometheus_client adds to a counter's sample.
+# The engine's totals (EngineStats fields) exported as they are by _EngineTotals: (name, help, field). The name
+# is without "_total", which prometheus_client adds to a counter's sample.
 ENGINE_TOTALS = (
     ("vllm:num_preemptions", "Preemptions by recompute.", "num_preemptions"),
     (
@@ -134,7 +70,7 @@ ENGINE_TOTALS = (
 )
 
 
-def _monotonic(previous: EngineSnapshot, new: EngineSnapshot) -> EngineSnapshot:
+def _monotonic(previous: EngineStats, new: EngineStats) -> EngineStats:
     """``new`` with each total no smaller than it was: a counter never goes down, even if a snapshot lags."""
     totals = {attr: max(getattr(previous, attr), getattr(new, attr)) for _, _, attr in ENGINE_TOTALS}
     idle = dict(previous.idle_rows_by_reason)
@@ -150,7 +86,7 @@ class _EngineTotals(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterable[CounterMetricFamily]:
-        snap, name = self.metrics.snapshot, self.metrics.model_name
+        snap, name = self.metrics.totals, self.metrics.model_name
         for metric, help_text, attr in ENGINE_TOTALS:
             family = CounterMetricFamily(metric, help_text, labels=["model_name"])
             family.add_metric([name], float(getattr(snap, attr)))
@@ -172,8 +108,20 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.lock = threading.Lock()
-        self.snapshot = EngineSnapshot()  # the engine's latest, read by _EngineTotals at each scrape
+        self.totals = EngineStats()  # the engine's latest totals, read by _EngineTotals at each scrape
         self.registry.register(_EngineTotals(self))
+        self._add_vllm_series()
+        self._add_tokenmill_series()
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)  # every series exists, at 0, from the start
+        for counter in (self.prompt_tokens, self.generation_tokens, self.queue_rejections):
+            counter.labels(model_name)
+        for hist in (self.ttft, self.itl, self.e2e, self.queue_time):
+            hist.labels(model_name)
+        self.update_engine(EngineSnapshot(), num_in_flight=0, alive=True)
+
+    def _add_vllm_series(self) -> None:
+        """The series vLLM exports, under its names (dashboards built for it work)."""
         m = ("model_name",)
         self.num_requests_running = self._gauge(
             "vllm:num_requests_running", "Requests in the running batch.", m
@@ -209,7 +157,9 @@ class ServerMetrics:
             m,
             REQUEST_BUCKETS_S,
         )
-        # tokenmill's own
+
+    def _add_tokenmill_series(self) -> None:
+        m = ("model_name",)
         self.build_info = self._gauge(
             "tokenmill:build_info",
             "Always 1; the labels say what runs: versions, the CPU, the kernel variant, the fast paths that are off.",
@@ -229,13 +179,6 @@ class ServerMetrics:
         self.engine_alive = self._gauge("tokenmill:engine_loop_alive", "1 while the engine loop runs.", m)
         self.free_blocks = self._gauge("tokenmill:kv_free_blocks", "Free blocks in the KV pool.", m)
         self.total_blocks = self._gauge("tokenmill:kv_total_blocks", "Blocks in the KV pool.", m)
-        for reason in ("stop", "length", "abort", "error"):
-            self.request_success.labels(model_name, reason)  # every series exists, at 0, from the start
-        for counter in (self.prompt_tokens, self.generation_tokens, self.queue_rejections):
-            counter.labels(model_name)
-        for hist in (self.ttft, self.itl, self.e2e, self.queue_time):
-            hist.labels(model_name)
-        self.update_engine(EngineSnapshot(), num_in_flight=0, alive=True)
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...]) -> Counter:
         return Counter(name, help, labels, registry=self.registry)
@@ -259,13 +202,13 @@ class ServerMetrics:
     ) -> None:
         labels = (self.model_name,)
         with self.lock:
-            self.snapshot = _monotonic(
-                self.snapshot, dataclasses.replace(snap, num_failed_steps=num_failed_steps)
+            self.totals = _monotonic(
+                self.totals, dataclasses.replace(snap.totals, num_failed_steps=num_failed_steps)
             )
             self.num_requests_running.labels(*labels).set(snap.num_running)
             self.num_requests_waiting.labels(*labels).set(snap.num_waiting)
             self.kv_cache_usage_perc.labels(*labels).set(snap.kv_cache_usage)
-            self.occupancy.labels(*labels).set(snap.occupancy)
+            self.occupancy.labels(*labels).set(snap.totals.occupancy)
             self.in_flight.labels(*labels).set(num_in_flight)
             self.engine_alive.labels(*labels).set(1.0 if alive else 0.0)
             self.free_blocks.labels(*labels).set(snap.num_free_blocks)

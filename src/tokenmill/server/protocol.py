@@ -376,21 +376,23 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """The fields every completion object and stream chunk carries around its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -437,11 +439,8 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
@@ -474,11 +473,8 @@ class ChatStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 

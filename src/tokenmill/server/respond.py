@@ -7,8 +7,9 @@ for one engine delta, the usage event and the whole response. Everything else is
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -23,9 +24,11 @@ from tokenmill.server.common import (
     ServerState,
     SSEResponse,
     failure_for,
+    sse,
     stream_failure,
     until_disconnect,
 )
+from tokenmill.server.protocol import PromptTokensDetails, UsageInfo
 
 
 class View(Protocol):
@@ -40,6 +43,56 @@ class View(Protocol):
     def usage_event(self, num_completion_tokens: int) -> str: ...  # the last event, when usage was asked
 
     def response(self, results: list[ChoiceResult]) -> BaseModel: ...  # the whole answer, not streamed
+
+
+class OpenAIView:
+    """What OpenAI's chat and completions views share: the envelope of every object (id, created, model), usage
+    (the prompt counted once for its n choices), the stream's chunks and the final usage chunk."""
+
+    chunk_class: ClassVar[type[BaseModel]]  # the API's stream chunk model
+
+    def __init__(
+        self, state: ServerState, response_id: str, include_usage: bool, num_prompt_tokens: int
+    ) -> None:
+        self.tokenizer = state.async_engine.tokenizer
+        self.model = state.served_model_name
+        self.id = response_id
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def num_cached_tokens(self) -> int:
+        raise NotImplementedError
+
+    def token_str(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def usage(self, num_completion_tokens: int) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=self.num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens()),
+        )
+
+    def envelope(self, num_completion_tokens: int) -> dict[str, Any]:
+        """The fields of a whole response besides its choices."""
+        return {
+            "id": self.id,
+            "created": self.created,
+            "model": self.model,
+            "usage": self.usage(num_completion_tokens),
+        }
+
+    def chunk(self, choice: Any) -> str:
+        chunk = self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return sse(chunk, exclude=None if self.include_usage else {"usage"})
+
+    def usage_event(self, num_completion_tokens: int) -> str:
+        usage = self.usage(num_completion_tokens)
+        return sse(
+            self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        )
 
 
 async def respond(request: Request, state: ServerState, view: View, group: RequestGroup, stream: bool) -> Any:

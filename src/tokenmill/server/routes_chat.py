@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import replace
 
@@ -23,7 +22,6 @@ from tokenmill.server.common import (
     parse_body,
     read_json_body,
     request_body,
-    sse,
     submit,
 )
 from tokenmill.server.protocol import (
@@ -38,13 +36,11 @@ from tokenmill.server.protocol import (
     ChatStreamChoice,
     FunctionCallOut,
     ParamError,
-    PromptTokensDetails,
     ToolCallOut,
     TopLogprob,
-    UsageInfo,
     to_sampling_params,
 )
-from tokenmill.server.respond import respond
+from tokenmill.server.respond import OpenAIView, respond
 from tokenmill.server.tool_calls import (
     HERMES_TAGS,
     fallback_system_prompt,
@@ -134,18 +130,15 @@ async def create_chat_completion(request: Request) -> Response:
     return await respond(request, state, view, group, bool(req.stream))
 
 
-class _ChatView:
+class _ChatView(OpenAIView):
     """Turns engine deltas into OpenAI chat objects for one HTTP request."""
 
+    chunk_class = ChatCompletionChunk
+
     def __init__(self, state: ServerState, req: ChatCompletionRequest, chat_id: str, num_prompt_tokens: int):
-        self.tokenizer = state.async_engine.tokenizer
-        self.model = state.served_model_name
-        self.id = chat_id
-        self.created = int(time.time())
+        super().__init__(state, chat_id, req.include_usage, num_prompt_tokens)
         self.want_logprobs = bool(req.logprobs)
-        self.include_usage = req.include_usage
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_cached_tokens = 0
+        self.most_cached_tokens = 0
         self.parser = state.tool_call_parser
         self.tool_names = {t["function"]["name"] for t in req.active_tools()}
         self.buffers: dict[int, str] = {}  # with tools: each choice's text so far (calls are parsed whole)
@@ -159,12 +152,6 @@ class _ChatView:
         self.saw(delta)
         choice = self.delta_choice(index, delta)
         return None if choice is None else self.chunk(choice)
-
-    def usage_event(self, num_completion_tokens: int) -> str:
-        return self.usage_chunk(num_completion_tokens)
-
-    def token_str(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def logprobs(self, token_ids: list[int], entries: list[Logprob] | None) -> ChatLogprobs:
         content = []
@@ -188,18 +175,13 @@ class _ChatView:
 
     def saw(self, delta: RequestDelta) -> None:
         """The prompt is counted once for all n choices; so are its cached tokens (the most any choice got)."""
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.most_cached_tokens = max(self.most_cached_tokens, delta.num_cached_tokens)
 
-    def usage(self, num_completion_tokens: int) -> UsageInfo:
-        return UsageInfo(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=self.num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
-        )
+    def num_cached_tokens(self) -> int:
+        return self.most_cached_tokens
 
     def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
-        self.num_cached_tokens = max([self.num_cached_tokens, *(r.num_cached_tokens for r in results)])
+        self.most_cached_tokens = max([self.most_cached_tokens, *(r.num_cached_tokens for r in results)])
         choices = []
         for index, result in enumerate(results):
             message, finish_reason = self.message(result.text, result.finish_reason)
@@ -212,13 +194,8 @@ class _ChatView:
                     stop_reason=result.stop_reason,
                 )
             )
-        num_completion = sum(len(r.token_ids) for r in results)
         return ChatCompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=self.usage(num_completion),
+            choices=choices, **self.envelope(sum(len(r.token_ids) for r in results))
         )
 
     def message(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
@@ -232,10 +209,6 @@ class _ChatView:
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls
         ]
         return ChatResponseMessage(content=content, tool_calls=out), "tool_calls"
-
-    def chunk(self, choice: ChatStreamChoice) -> str:
-        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
-        return sse(chunk, exclude=None if self.include_usage else {"usage"})
 
     def role_chunk(self, index: int) -> str:
         return self.chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
@@ -285,13 +258,3 @@ class _ChatView:
             index=index, delta=ChatDelta(tool_calls=tool_calls), finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
         )  # fmt: skip
-
-    def usage_chunk(self, num_completion_tokens: int) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=self.usage(num_completion_tokens),
-        )
-        return sse(chunk)

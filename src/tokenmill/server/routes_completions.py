@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,6 @@ from tokenmill.server.common import (
     parse_body,
     read_json_body,
     request_body,
-    sse,
     submit,
 )
 from tokenmill.server.protocol import (
@@ -34,11 +32,9 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ParamError,
-    PromptTokensDetails,
-    UsageInfo,
     to_sampling_params,
 )
-from tokenmill.server.respond import respond
+from tokenmill.server.respond import OpenAIView, respond
 
 router = APIRouter()
 
@@ -136,23 +132,21 @@ class _LogprobBuilder:
         return out
 
 
-class _View:
+class _View(OpenAIView):
     """Turns engine deltas into OpenAI completion objects for one HTTP request."""
+
+    chunk_class = CompletionChunk
 
     def __init__(
         self, state: ServerState, req: CompletionRequest, completion_id: str, prompts: list[_Prompt]
     ):
-        self.tokenizer = state.async_engine.tokenizer
-        self.model = state.served_model_name
-        self.id = completion_id
-        self.created = int(time.time())
-        self.echo = bool(req.echo)
-        self.want_logprobs = req.logprobs is not None
-        self.include_usage = req.include_usage
-        self.choice_prompts = prompts  # per choice index
-        self.num_prompt_tokens = sum(
+        num_prompt_tokens = sum(
             len(p.token_ids) for i, p in enumerate(prompts) if i == 0 or p is not prompts[i - 1]
         )
+        super().__init__(state, completion_id, req.include_usage, num_prompt_tokens)
+        self.echo = bool(req.echo)
+        self.want_logprobs = req.logprobs is not None
+        self.choice_prompts = prompts  # per choice index
         self.cached_by_choice = [0] * len(prompts)
         # streaming, per choice: its legacy logprobs so far, and whether its first delta went out
         self.builders = [_LogprobBuilder() for _ in prompts]
@@ -168,26 +162,15 @@ class _View:
         self.started[index] = True
         return None if choice is None else self.chunk(choice)
 
-    def usage_event(self, num_completion_tokens: int) -> str:
-        return self.usage_chunk(num_completion_tokens)
-
     def saw(self, index: int, num_cached_tokens: int) -> None:
         self.cached_by_choice[index] = max(self.cached_by_choice[index], num_cached_tokens)
 
-    def usage(self, num_completion_tokens: int) -> UsageInfo:
-        """Each prompt counted once for its n choices; its cached tokens are the most any choice got."""
+    def num_cached_tokens(self) -> int:
+        """Each prompt's cached tokens are the most any of its choices got."""
         cached: dict[int, int] = {}
         for prompt, n in zip(self.choice_prompts, self.cached_by_choice, strict=True):
             cached[id(prompt)] = max(cached.get(id(prompt), 0), n)
-        return UsageInfo(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=self.num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
-        )
-
-    def token_str(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return sum(cached.values())
 
     def prompt_text(self, index: int) -> str:
         prompt = self.choice_prompts[index]
@@ -244,24 +227,7 @@ class _View:
                     stop_reason=result.stop_reason,
                 )
             )
-        num_completion = sum(len(r.token_ids) for r in results)
-        return CompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=self.usage(num_completion),
-        )
-
-    def chunk(self, choice: CompletionChoice) -> str:
-        chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
-        return sse(chunk, exclude=None if self.include_usage else {"usage"})
-
-    def usage_chunk(self, num_completion_tokens: int) -> str:
-        usage = self.usage(num_completion_tokens)
-        return sse(
-            CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-        )
+        return CompletionResponse(choices=choices, **self.envelope(sum(len(r.token_ids) for r in results)))
 
     def delta_choice(
         self, index: int, delta: RequestDelta, first: bool, builder: _LogprobBuilder

@@ -14,18 +14,19 @@ kernels that read the paged cache in place:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.model.attention import AttentionMetadata, PrefillSeq, plan_prefill
+from tokenmill.model.attention import AttentionMetadata, KVCache, PrefillSeq, plan_prefill
 from tokenmill.model.backend import TorchBackend, attend_prefills
 from tokenmill.model.cpu import kernels
 from tokenmill.model.cpu.packing import attach_cpu_kernels, build_decode_stack, can_pack, pack_for_cpu
 
 if TYPE_CHECKING:
-    from tokenmill.model.llama import KVCache, LlamaForCausalLM
+    from tokenmill.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 KERNEL_PREFILL_MAX_LEN = 512
@@ -64,14 +65,10 @@ class KernelPlan:
         )
 
     def attend(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> None:
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+        k_cache, v_cache = kv_cache
         if self.prefill_seqs is not None:  # a tile's query tokens share the keys and values they read
             self.tiled(out, q.contiguous(), k_cache, v_cache, meta.block_tables, self.prefill_seqs, scale)
         for rows in (self.decode_rows, self.prefill_rows):
@@ -81,7 +78,8 @@ class KernelPlan:
                     q_rows, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, rows.table_index
                 )
                 out.index_copy_(0, rows.token_rows, attended)
-        attend_prefills(out, q, k_cache, v_cache, self.prefills, scale, use_sdpa=False)
+        attend_prefills(out, q, kv_cache, self.prefills, scale, use_sdpa=False)
+        return out
 
 
 class CpuKernelBackend(TorchBackend):
@@ -143,24 +141,25 @@ class CpuKernelBackend(TorchBackend):
         meta.plan = KernelPlan(decode_rows, tiled_seqs, short_rows, long_prefills, self._decode, self._tiled)
         return meta
 
-    def fused_forward(
-        self,
-        model: LlamaForCausalLM,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor | None:
-        """A decode-only step through the C++ decode stack (when every sequence is within the sliding window, if
-        any: the stack attends to all keys)."""
+    def fused_step(self, meta: AttentionMetadata) -> Callable[..., torch.Tensor] | None:
+        """A decode-only step goes through the C++ decode stack (when every sequence is within the sliding window,
+        if any: the stack attends to all keys)."""
         plan = meta.plan
         if self.decode_stack is None or not isinstance(plan, KernelPlan) or not plan.decode_only:
             return None
         if self._window is not None and max(meta.seq_lens) > self._window:
             return None
-        rows = plan.decode_rows
-        assert rows is not None
+        return self._decode_stack_step
+
+    def _decode_stack_step(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        rows = meta.plan.decode_rows  # type: ignore[union-attr]
+        cos, sin = rope
         return self.decode_stack.forward(  # type: ignore[no-any-return]
             x,
             cos.view(x.shape[0], -1),  # [T, R/2]
