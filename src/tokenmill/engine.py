@@ -33,6 +33,8 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
 
 Prompt = str | Sequence[int]
+Prompts = Prompt | Sequence[Prompt]  # one prompt or several
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all prompts, one each, or the defaults
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MAX_BYTES = 2 << 30  # the CPU pool's default bound (kv_cache_memory_bytes overrides it)
 STEP_FAILED = "the step failed:"  # how the message of a request whose step's forward raised begins
@@ -438,21 +440,12 @@ class Engine:
             prompt_token_ids=list(request.prompt_token_ids),
             outputs=[completion],
             finished=request.is_finished,
-            metrics=RequestMetrics(
-                arrival_time_s=request.arrival_time_s,
-                first_token_time_s=request.first_token_time_s,
-                last_token_time_s=request.last_token_time_s,
-                finished_time_s=request.finished_time_s,
-                num_preemptions=request.num_preemptions,
-            ),
+            metrics=RequestMetrics.of(request),
             prompt_logprobs=request.prompt_logprobs,
         )
 
     def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        self, prompts: Prompts, params: ParamsArg = None, use_tqdm: bool = False
     ) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in order."""
         prompt_list = as_prompt_list(prompts)
@@ -481,7 +474,7 @@ class Engine:
         return [results[i] for i in ids]
 
 
-def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def as_prompt_list(prompts: Prompts) -> list[Prompt]:
     """One prompt (a string or a list of token ids) or several, as a non-empty list of prompts."""
     if isinstance(prompts, str):
         return [prompts]

@@ -6,9 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.config import OFFLINE_BATCHED_TOKENS, EngineConfig
-from tokenmill.engine import Engine, Prompt, as_prompt_list
+from tokenmill.engine import Engine, ParamsArg, Prompt, Prompts, as_prompt_list
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 
@@ -33,10 +32,7 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        self, prompts: Prompts, sampling_params: ParamsArg = None, use_tqdm: bool = True
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (strings or lists of token ids), in order."""
         prompt_list = as_prompt_list(prompts)
@@ -45,7 +41,7 @@ class LLM:
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""

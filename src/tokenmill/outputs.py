@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -22,6 +22,11 @@ class RequestMetrics:
     last_token_time_s: float | None
     finished_time_s: float | None
     num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Any) -> RequestMetrics:
+        """A request's timestamps and preemption count (a :class:`tokenmill.request.Request`: same names)."""
+        return cls(**{f.name: getattr(request, f.name) for f in fields(cls)})
 
 
 @dataclass

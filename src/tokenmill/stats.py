@@ -68,19 +68,12 @@ class EngineStats:
             self.idle_rows_by_reason[reason.value] += n
 
     def as_dict(self) -> dict[str, object]:
+        names = (
+            "num_iterations num_token_slots num_collected_tokens occupancy num_prefill_tokens num_decode_tokens"
+            " num_preemptions num_recomputed_tokens num_prefix_queried_tokens num_prefix_hit_tokens"
+            " num_prefix_evicted_blocks num_finished num_failed_steps"
+        )
         return {
-            "num_iterations": self.num_iterations,
-            "num_token_slots": self.num_token_slots,
-            "num_collected_tokens": self.num_collected_tokens,
-            "occupancy": self.occupancy,
-            "num_prefill_tokens": self.num_prefill_tokens,
-            "num_decode_tokens": self.num_decode_tokens,
-            "num_preemptions": self.num_preemptions,
-            "num_recomputed_tokens": self.num_recomputed_tokens,
-            "num_prefix_queried_tokens": self.num_prefix_queried_tokens,
-            "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
-            "num_prefix_evicted_blocks": self.num_prefix_evicted_blocks,
-            "num_finished": self.num_finished,
-            "num_failed_steps": self.num_failed_steps,
+            **{name: getattr(self, name) for name in names.split()},
             "idle_rows_by_reason": dict(self.idle_rows_by_reason),
         }

@@ -100,7 +100,9 @@ def test_cpp_decode_kernel_on_a_wide_batch(kernel_variant) -> None:
     )
     assert meta.plan.decode_rows is not None and meta.plan.decode_only
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
-    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        paged_attention(q, (k_cache, v_cache), meta, SCALE), expected, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize(
@@ -223,7 +225,9 @@ def _check_random_mix(
         rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype, planner
     )
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
-    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(
+        paged_attention(q, (k_cache, v_cache), meta, SCALE), expected, atol=atol, rtol=0
+    )
 
 
 def test_cpp_kernel_takes_short_prefills_and_leaves_long_ones_to_matmuls(kernel_variant) -> None:
@@ -237,7 +241,9 @@ def test_cpp_kernel_takes_short_prefills_and_leaves_long_ones_to_matmuls(kernel_
     assert meta.plan.prefill_rows is not None and meta.plan.prefill_rows.token_rows.numel() == 30 + 12
     assert [seq.end - seq.start for seq in meta.plan.prefills] == [long_len]
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
-    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        paged_attention(q, (k_cache, v_cache), meta, SCALE), expected, atol=1e-5, rtol=0
+    )
 
 
 def test_the_backend_is_chosen_once_by_device_and_dtype(kernel_variant) -> None:
@@ -251,7 +257,7 @@ def test_the_backend_is_chosen_once_by_device_and_dtype(kernel_variant) -> None:
     )
     assert meta.ops is None and len(meta.plan.prefills) == 2 and len(meta.plan.decode_buckets) == 1
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
-    got = paged_attention(q, k_cache, v_cache, meta, SCALE)
+    got = paged_attention(q, (k_cache, v_cache), meta, SCALE)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
 
 
@@ -261,7 +267,9 @@ def test_many_decode_rows_use_several_buckets() -> None:
     q, k_cache, v_cache, meta = _random_step(rng, [1] * 64, lens, 16, 64 * 28)
     assert len(meta.plan.decode_buckets) == 4
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
-    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, SCALE), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        paged_attention(q, (k_cache, v_cache), meta, SCALE), expected, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("prefix_len", [0, 37])
@@ -311,7 +319,7 @@ def test_sliding_window_matches_the_reference_mask(window: int) -> None:
     sees keys i - window < j <= i, as the float32 reference masks them."""
     rng = random.Random(window)
     q, k_cache, v_cache, meta = _random_step(rng, [1, 9, 20, 1], [40, 12, 0, 3], block_size=4, num_blocks=64)
-    got = paged_attention(q, k_cache, v_cache, meta, SCALE, window=window)
+    got = paged_attention(q, (k_cache, v_cache), meta, SCALE, window=window)
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE, window=window)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     if window < 40:  # the window changed the answer: the check can fail

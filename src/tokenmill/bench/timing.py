@@ -117,6 +117,11 @@ class _RunTotals:
     def latency_s(self) -> dict[str, float]:
         raise NotImplementedError
 
+    def _fields(self, names: str) -> dict[str, object]:
+        """``to_dict``'s plain entries: each of the space-separated attributes by name (tuples as lists)."""
+        values = {name: getattr(self, name) for name in names.split()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
     @property
     def collected_tokens(self) -> int:
         """Every token any request kept, its first (prefill) token included."""
@@ -215,24 +220,11 @@ class BatchTiming(_RunTotals):
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "clock_unit": self.clock_unit,
-            "batch_size": self.batch_size,
-            "num_iterations": self.num_iterations,
-            "num_decode_steps": self.num_decode_steps,
-            "useful_tokens": self.useful_tokens,
-            "collected_tokens": self.collected_tokens,
-            "token_slots": self.token_slots,
-            "decode_token_slots": self.decode_token_slots,
-            "waste_fraction": self.waste_fraction,
-            "start_s": self.start_s,
-            "prefill_time_s": self.prefill_time_s,
-            "decode_time_s": self.decode_time_s,
-            "step_times_s": list(self.step_times_s),
-            "decode_tps": self.decode_tps,
-            "makespan_s": self.makespan_s,
-            "first_answer_s": self.first_answer_s,
-            "mean_latency_s": self.mean_latency_s,
-            "end_to_end_goodput_tps": self.end_to_end_goodput_tps,
+            **self._fields(
+                "clock_unit batch_size num_iterations num_decode_steps useful_tokens collected_tokens token_slots"
+                " decode_token_slots waste_fraction start_s prefill_time_s decode_time_s step_times_s decode_tps"
+                " makespan_s first_answer_s mean_latency_s end_to_end_goodput_tps"
+            ),
             "requests": {
                 rid: {
                     "max_tokens": m,
@@ -427,23 +419,11 @@ class ContinuousTiming(_RunTotals):
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "clock_unit": self.clock_unit,
-            "max_num_seqs": self.max_num_seqs,
-            "num_iterations": self.num_iterations,
-            "batch_sizes": list(self.batch_sizes),
-            "token_slots": self.token_slots,
-            "collected_tokens": self.collected_tokens,
-            "waste_fraction": self.waste_fraction,
-            "occupancy": self.occupancy,
-            "num_preemptions": self.num_preemptions,
-            "idle_rows_by_reason": self.idle_rows_by_reason,
-            "idle_fraction_by_reason": self.idle_fraction_by_reason,
-            "idle_share_by_reason": self.idle_share_by_reason,
-            "iteration_times_s": list(self.iteration_times_s),
-            "makespan_s": self.makespan_s,
-            "first_answer_s": self.first_answer_s,
-            "mean_latency_s": self.mean_latency_s,
-            "end_to_end_goodput_tps": self.end_to_end_goodput_tps,
+            **self._fields(
+                "clock_unit max_num_seqs num_iterations batch_sizes token_slots collected_tokens waste_fraction"
+                " occupancy num_preemptions idle_rows_by_reason idle_fraction_by_reason idle_share_by_reason"
+                " iteration_times_s makespan_s first_answer_s mean_latency_s end_to_end_goodput_tps"
+            ),
             "requests": {
                 rid: {
                     "arrival_time_s": self.arrival_time_s[rid],

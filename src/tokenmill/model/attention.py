@@ -256,14 +256,10 @@ def paged_attention_reference(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """``q [num_tokens, num_heads, head_dim]`` against the paged cache -> ``[num_tokens, num_heads, head_dim]``.
+    """``q [num_tokens, num_heads, head_dim]`` against the paged cache ``kv_cache`` (this layer's K and V) ->
+    ``[num_tokens, num_heads, head_dim]``.
 
     The new tokens' K/V must already be in the cache (:func:`write_kv`). ``window``: a sliding window (key ``j``
     visible to query ``i`` when ``i - window < j <= i``). While every sequence is within it the window changes
@@ -272,7 +268,7 @@ def paged_attention(
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.num_tokens} tokens")
     if window is not None and max(meta.seq_lens, default=0) > window:
-        return paged_attention_windowed(q, (k_cache, v_cache), meta, scale, window)
+        return paged_attention_windowed(q, kv_cache, meta, scale, window)
     if meta.plan is None:
         raise ValueError("the metadata has no attention plan: build it with the model's backend (plan)")
-    return meta.plan.attend(q, (k_cache, v_cache), meta, scale)
+    return meta.plan.attend(q, kv_cache, meta, scale)

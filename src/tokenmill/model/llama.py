@@ -171,7 +171,7 @@ class LlamaAttention(nn.Module):
             k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, Hq, D]
+        out = paged_attention(q, kv_cache, meta, self.scale, window=self.window)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
 
 

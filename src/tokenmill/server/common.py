@@ -189,6 +189,15 @@ def check_model(state: ServerState, model: str | None) -> None:
         )  # fmt: skip
 
 
+async def parse_request(request: Request, model: type[ModelT]) -> tuple[ServerState, ModelT]:
+    """The server's state and the request's body as ``model``: 413 / 408 / 400 from the body reader and the
+    model, 404 for a model this server does not serve."""
+    state = get_state(request)
+    req = parse_body(model, await read_json_body(request, state.max_body_bytes))
+    check_model(state, getattr(req, "model", None))
+    return state, req
+
+
 async def submit(
     state: ServerState,
     prompts: list[tuple[list[int], Any]],

@@ -122,74 +122,62 @@ class ServerMetrics:
 
     def _add_vllm_series(self) -> None:
         """The series vLLM exports, under its names (dashboards built for it work)."""
-        m = ("model_name",)
-        self.num_requests_running = self._gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", m
-        )
+        self.num_requests_running = self._gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = self._gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be admitted.", m
+            "vllm:num_requests_waiting", "Requests waiting to be admitted."
         )
         self.kv_cache_usage_perc = self._gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", m
+            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use."
         )
-        self.prompt_tokens = self._counter("vllm:prompt_tokens_total", "Prompt tokens prefilled.", m)
-        self.generation_tokens = self._counter("vllm:generation_tokens_total", "Tokens generated.", m)
+        self.prompt_tokens = self._counter("vllm:prompt_tokens_total", "Prompt tokens prefilled.")
+        self.generation_tokens = self._counter("vllm:generation_tokens_total", "Tokens generated.")
         self.request_success = self._counter(
             "vllm:request_success_total",
             "Requests finished, by finish reason.",
             ("model_name", "finished_reason"),
         )
         self.ttft = self._histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", m, TTFT_BUCKETS_S
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S
         )
         self.itl = self._histogram(
             "vllm:inter_token_latency_seconds",
             "Time between successive outputs of one request.",
-            m,
             ITL_BUCKETS_S,
         )
         self.e2e = self._histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish.", m, REQUEST_BUCKETS_S
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS_S
         )
         self.queue_time = self._histogram(
-            "vllm:request_queue_time_seconds",
-            "Arrival to first admission into the batch.",
-            m,
-            REQUEST_BUCKETS_S,
+            "vllm:request_queue_time_seconds", "Arrival to first admission into the batch.", REQUEST_BUCKETS_S
         )
 
     def _add_tokenmill_series(self) -> None:
-        m = ("model_name",)
         self.build_info = self._gauge(
             "tokenmill:build_info",
             "Always 1; the labels say what runs: versions, the CPU, the kernel variant, the fast paths that are off.",
             ("model_name", "version", "torch", "cpu_model", "kernel_variant", "fast_paths_off"),
         )
         self.occupancy = self._gauge(
-            "tokenmill:batch_occupancy", "Rows computed / rows possible over all iterations.", m
+            "tokenmill:batch_occupancy", "Rows computed / rows possible over all iterations."
         )
         self.in_flight = self._gauge(
-            "tokenmill:num_requests_in_flight", "Engine requests accepted and not yet finished.", m
+            "tokenmill:num_requests_in_flight", "Engine requests accepted and not yet finished."
         )
         self.queue_rejections = self._counter(
-            "tokenmill:queue_rejections_total",
-            "HTTP requests refused with 429 because the queue was full.",
-            m,
+            "tokenmill:queue_rejections_total", "HTTP requests refused with 429 because the queue was full."
         )
-        self.engine_alive = self._gauge("tokenmill:engine_loop_alive", "1 while the engine loop runs.", m)
-        self.free_blocks = self._gauge("tokenmill:kv_free_blocks", "Free blocks in the KV pool.", m)
-        self.total_blocks = self._gauge("tokenmill:kv_total_blocks", "Blocks in the KV pool.", m)
+        self.engine_alive = self._gauge("tokenmill:engine_loop_alive", "1 while the engine loop runs.")
+        self.free_blocks = self._gauge("tokenmill:kv_free_blocks", "Free blocks in the KV pool.")
+        self.total_blocks = self._gauge("tokenmill:kv_total_blocks", "Blocks in the KV pool.")
 
-    def _counter(self, name: str, help: str, labels: tuple[str, ...]) -> Counter:
+    def _counter(self, name: str, help: str, labels: tuple[str, ...] = ("model_name",)) -> Counter:
         return Counter(name, help, labels, registry=self.registry)
 
-    def _gauge(self, name: str, help: str, labels: tuple[str, ...]) -> Gauge:
+    def _gauge(self, name: str, help: str, labels: tuple[str, ...] = ("model_name",)) -> Gauge:
         return Gauge(name, help, labels, registry=self.registry)
 
-    def _histogram(
-        self, name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...]
-    ) -> Histogram:
-        return Histogram(name, help, labels, buckets=buckets, registry=self.registry)
+    def _histogram(self, name: str, help: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, help, ("model_name",), buckets=buckets, registry=self.registry)
 
     def value(self, name: str, **labels: str) -> float:
         """One sample's current value (0 when absent), for tests and the engine's own checks."""

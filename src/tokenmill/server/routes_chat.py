@@ -14,16 +14,7 @@ from tokenmill.generation_defaults import default_max_tokens
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
-from tokenmill.server.common import (
-    ServerState,
-    api_error,
-    check_model,
-    get_state,
-    parse_body,
-    read_json_body,
-    request_body,
-    submit,
-)
+from tokenmill.server.common import ServerState, api_error, parse_request, request_body, submit
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -79,9 +70,7 @@ def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]
 
 @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
-    state = get_state(request)
-    req = parse_body(ChatCompletionRequest, await read_json_body(request, state.max_body_bytes))
-    check_model(state, req.model)
+    state, req = await parse_request(request, ChatCompletionRequest)
     try:
         prompt_ids = await run_in_threadpool(encode_messages, state, req)  # the template off the event loop
         n = req.num_choices

@@ -15,16 +15,7 @@ from starlette.responses import Response
 from tokenmill.generation_defaults import COMPLETIONS_MAX_TOKENS
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
-from tokenmill.server.common import (
-    ServerState,
-    api_error,
-    check_model,
-    get_state,
-    parse_body,
-    read_json_body,
-    request_body,
-    submit,
-)
+from tokenmill.server.common import ServerState, api_error, parse_request, request_body, submit
 from tokenmill.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -47,9 +38,7 @@ class _Prompt:
 
 @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
-    state = get_state(request)
-    req = parse_body(CompletionRequest, await read_json_body(request, state.max_body_bytes))
-    check_model(state, req.model)
+    state, req = await parse_request(request, CompletionRequest)
     try:
         prompts = await run_in_threadpool(_prompts, req, state)  # tokenizing off the event loop
         n = req.num_choices

@@ -8,15 +8,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.common import (
-    ApiError,
-    api_error,
-    check_model,
-    get_state,
-    parse_body,
-    read_json_body,
-    request_body,
-)
+from tokenmill.server.common import ApiError, api_error, get_state, parse_request, request_body
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -58,9 +50,7 @@ async def tokenizer_info(request: Request) -> Response:
 
 @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> Response:
-    state = get_state(request)
-    req = parse_body(TokenizeRequest, await read_json_body(request, state.max_body_bytes))
-    check_model(state, req.model)
+    state, req = await parse_request(request, TokenizeRequest)
     tokenizer = state.async_engine.tokenizer
     try:
         if req.messages is not None:
@@ -87,9 +77,7 @@ async def tokenize(request: Request) -> Response:
 
 @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> Response:
-    state = get_state(request)
-    req = parse_body(DetokenizeRequest, await read_json_body(request, state.max_body_bytes))
-    check_model(state, req.model)
+    state, req = await parse_request(request, DetokenizeRequest)
     tokenizer = state.async_engine.tokenizer
     for tok in req.tokens:
         if not 0 <= tok < tokenizer.vocab_size:
