@@ -56,6 +56,24 @@ FAMILIES = {
             sliding_window=16,
         ),
     ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            intermediate_size=192,
+            sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=48,  # not head_dim: the scale is the config's
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+        ),
+    ),
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -69,7 +87,10 @@ FAMILIES = {
         ),
     ),
 }
-TIED = {"qwen2"}  # one tied family; the others untied
+TIED = {"qwen2", "gemma3"}  # tied families; the others untied
+NO_DECODE_STACK = {
+    "gemma3"
+}  # layers the C++ decode stack does not compute (sandwich norms, GeGLU, local RoPE)
 
 
 def build_hf(family: str, seed: int = 0, **overrides):
@@ -143,7 +164,12 @@ def test_logits_match_transformers(
     # several lengths in one flat batch (the longest past mistral's and phi3's windows), then step by step
     assert_flat_batch_matches(loaded.model, config, hf_model, prompts([1, 7, 30, 13, 45]), block_size=4)
     assert_incremental_matches(loaded.model, config, hf_model, prompts([40], 1)[0], 9, block_size=4)
-    assert (loaded.model.backend.decode_stack is not None) == (kernel_variant.isa() != "base")
+    if family == "gemma3":
+        assert config.sandwich_norms and config.hidden_act == "gelu_tanh" and config.qk_norm
+        assert config.attention_scale == 48**-0.5 and config.rope_local_theta == 10_000.0
+        assert [config.layer_window(i) for i in range(3)] == [16, 16, None]
+    expects_stack = kernel_variant.isa() != "base" and family not in NO_DECODE_STACK
+    assert (loaded.model.backend.decode_stack is not None) == expects_stack
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

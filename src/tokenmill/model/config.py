@@ -10,6 +10,11 @@ mistral    ``sliding_window`` on every layer (when set)
 qwen2      a bias on q, k and v; a sliding window on layers >= ``max_window_layers`` when asked
 qwen3      RMSNorm of each head's q and k before RoPE (``qk_norm``), ``head_dim`` of its own, optional bias
 phi3       q/k/v and gate/up fused in the checkpoint; ``partial_rotary_factor``; ``sliding_window``
+gemma3     (text) embeddings scaled by sqrt(hidden) (``embed_scale``); RMSNorm weights meaning 1 + w
+           (``norm_offset``); four norms a layer, after attention and around the MLP (``sandwich_norms``);
+           q/k norms; GeGLU with tanh GELU (``hidden_act``); sliding-window (local) layers with a RoPE base
+           of their own (``rope_local_theta``) between global ones; queries scaled by
+           ``query_pre_attn_scalar ** -0.5`` (``attention_scale``); head_dim 256
 =========  ======================================================================================
 
 Pure Python. Anything tokenmill cannot run (another architecture, MoE layers, an MLP bias, an unknown RoPE
@@ -31,14 +36,20 @@ _REQUIRED_HF_KEYS = (
     "num_attention_heads",
 )
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_MODEL_TYPES = {"gemma3_text": "gemma3"}  # a config.json's model_type -> family, where the two differ
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Gemma 3 (transformers' Gemma3TextConfig): every 6th layer global, the others local with this RoPE base
+_GEMMA3_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10_000.0
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -71,6 +82,14 @@ class LlamaConfig:
     rotary_dim: int | None = None  # the leading dims of a head that RoPE rotates (None: all of head_dim)
     sliding_window: int | None = None  # a key is visible when query_pos - window < key_pos <= query_pos
     sliding_window_layers: tuple[int, ...] | None = None  # the layers with the window (None: every layer)
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with tanh GELU)
+    embed_scale: float | None = None  # the embedding lookup multiplied by this (Gemma: sqrt(hidden_size))
+    norm_offset: float = 0.0  # a checkpoint's RMSNorm weight w scales by norm_offset + w (Gemma: 1 + w)
+    sandwich_norms: bool = False  # a norm after attention's output and around the MLP: four a layer (Gemma 3)
+    attention_scale: float | None = None  # scores scaled by this (None: head_dim ** -0.5)
+    rope_local_theta: float | None = (
+        None  # RoPE base of the sliding-window layers, unscaled (None: rope_theta)
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -117,6 +136,8 @@ class LlamaConfig:
             raise ValueError(
                 f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
             )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {self.hidden_act!r}")
         if self.sliding_window_layers is not None and any(
             not 0 <= i < self.num_hidden_layers for i in self.sliding_window_layers
         ):
@@ -137,6 +158,10 @@ class LlamaConfig:
             return None
         return self.sliding_window
 
+    def layer_rope_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with the local RoPE base (a sliding-window layer of Gemma 3)."""
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
+
     @property
     def has_sliding_window(self) -> bool:
         return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
@@ -152,8 +177,11 @@ class LlamaConfig:
         missing = [key for key in _REQUIRED_HF_KEYS if d.get(key) is None]
         if missing:
             raise ValueError(f"config.json is missing required key(s): {', '.join(missing)}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+        act = d.get("hidden_act") or d.get("hidden_activation") or "silu"
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {act!r}: supported are 'silu' (SwiGLU) and 'gelu_pytorch_tanh' (GeGLU)"
+            )
         if d.get("mlp_bias"):
             raise ValueError("unsupported config: mlp_bias=true (tokenmill's MLP has no biases)")
         num_heads = d["num_attention_heads"]
@@ -172,6 +200,7 @@ class LlamaConfig:
                 raise ValueError(f"unsupported config: attention_bias=true for model_type {family!r}")
             qkv_bias = o_bias = False
         window, window_layers = _hf_sliding_window(d, family)
+        gemma = _hf_gemma3_fields(d, head_dim) if family == "gemma3" else {}
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -184,16 +213,18 @@ class LlamaConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
             model_type=family,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             sliding_window=window,
             sliding_window_layers=window_layers,
+            hidden_act=_ACTIVATIONS[act],
+            **gemma,
         )
 
     @classmethod
@@ -227,11 +258,13 @@ class LlamaConfig:
         rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         eos = [meta.get(key) for key in GGUF_EOS_KEYS]
         window = meta.get(f"{arch}.attention.sliding_window")
+        num_layers = int(need("block_count"))
+        gemma = _gguf_gemma3_fields(hidden_size, num_heads, head_dim, num_layers) if arch == "gemma3" else {}
         return cls(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=int(need("block_count")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -248,10 +281,34 @@ class LlamaConfig:
             qk_norm=qk_norm,
             rotary_dim=None if rope_dim == head_dim else rope_dim,
             sliding_window=int(window) if window else None,
+            **gemma,
         )
 
 
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+}
+
+
+def _gguf_gemma3_fields(hidden_size: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's fields that its GGUF metadata leaves to the reader, as llama.cpp fixes them: every 6th layer
+    global, the local RoPE base 10,000, queries scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B,
+    whose query_pre_attn_scalar is that). The norms' weights are stored as 1 + w already: ``norm_offset`` says
+    what they mean, and the GGUF reader subtracts it to give Hugging Face's values."""
+    scalar = hidden_size // num_heads if num_layers == 62 else head_dim
+    return {
+        "hidden_act": "gelu_tanh",
+        "embed_scale": float(hidden_size) ** 0.5,
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "attention_scale": float(scalar) ** -0.5,
+        "rope_local_theta": _GEMMA3_LOCAL_THETA,
+        "sliding_window_layers": tuple(i for i in range(num_layers) if (i + 1) % _GEMMA3_WINDOW_PATTERN),
+    }
 
 
 def _gguf_architecture(meta: dict[str, Any]) -> str:
@@ -266,9 +323,28 @@ def _gguf_architecture(meta: dict[str, Any]) -> str:
     return str(arch)
 
 
+def _hf_gemma3_fields(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """What Gemma 3 (text) adds to the decoder, as transformers' Gemma3TextConfig reads it."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ValueError(f"unsupported config: {key}={d[key]} (Gemma 2's soft-capping)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("unsupported config: use_bidirectional_attention=true (an encoder, not a decoder)")
+    params = d.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    local_theta = (local or {}).get("rope_theta", d.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA))
+    return {
+        "embed_scale": float(d["hidden_size"]) ** 0.5,
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "attention_scale": float(d.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        "rope_local_theta": float(local_theta),
+    }
+
+
 def _hf_family(d: dict[str, Any]) -> str:
     """The family of a ``config.json``: its ``model_type`` (or its architecture's), MoE refused."""
-    model_type = d.get("model_type")
+    model_type = _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))  # type: ignore[arg-type]
     architectures = d.get("architectures") or []
     if model_type is None:
         model_type = next((_ARCHITECTURES[a] for a in architectures if a in _ARCHITECTURES), None)
@@ -293,6 +369,11 @@ def _hf_sliding_window(d: dict[str, Any], family: str) -> tuple[int | None, tupl
     if family == "llama" or not window:
         return None, None
     layer_types = d.get("layer_types")
+    if layer_types is None and family == "gemma3":
+        pattern = int(d.get("sliding_window_pattern", _GEMMA3_WINDOW_PATTERN))
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        ]
     if layer_types is not None:
         unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
         if unknown:
@@ -311,6 +392,10 @@ def _hf_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     ``rope_scaling`` entry wins over ``rope_parameters``' type, as transformers reads it."""
     params = d.get("rope_parameters")
     scaling = d.get("rope_scaling")
+    if isinstance(params, dict) and isinstance(
+        params.get("full_attention"), dict
+    ):  # per layer type (Gemma 3)
+        params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"]), _normalize_rope_scaling(scaling or params)
     return float(d.get("rope_theta", 10000.0)), _normalize_rope_scaling(scaling)

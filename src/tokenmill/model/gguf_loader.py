@@ -78,6 +78,12 @@ _LAYER_NAMES = {
 }
 _LAYER_NAMES_BY_ARCH = {  # where an architecture stores a tensor under another name (Phi-3: fused q/k/v, gate/up)
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Gemma 3's four norms: after attention, before and after the MLP (ffn_norm is the one before it)
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
@@ -167,6 +173,14 @@ def _arch(reader: Any) -> str:
     return str(field.contents()) if field is not None else "llama"
 
 
+def _as_hf_values(name: str, weight: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """A tensor as the Hugging Face checkpoint holds it: llama.cpp's converter writes Gemma's RMSNorm weights
+    as 1 + w, the multiplier itself; the checkpoint (and so ``fuse_hf_state_dict``'s input) holds w."""
+    if config.norm_offset and name.endswith("norm.weight"):
+        return weight - config.norm_offset
+    return weight
+
+
 def _rope_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
     """For a Q or K projection (weight or bias) of a llama-architecture file, the permutation of its rows that
     undoes llama.cpp's interleave; else None. llama.cpp's converter permutes only the checkpoints it writes as
@@ -197,7 +211,7 @@ def convert_gguf(
     arch = _arch(reader)
     for tensor in tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name, arch)
-        weight = torch.from_numpy(dequantize_tensor(tensor))
+        weight = _as_hf_values(name, torch.from_numpy(dequantize_tensor(tensor)), config)
         order = _rope_row_order(name, config)
         state_dict[name] = (weight if order is None else weight[order]).contiguous()
     return config, state_dict
@@ -222,7 +236,7 @@ def read_quantized_gguf(
             groups = to_groups(type_name, tensor.data, int(tensor.shape[0]))
             quantized[name] = groups if order is None else groups.take_rows(order.numpy())
         else:
-            weight = torch.from_numpy(dequantize_tensor(tensor))
+            weight = _as_hf_values(name, torch.from_numpy(dequantize_tensor(tensor)), config)
             dense[name] = (weight if order is None else weight[order]).contiguous()
     return config, dense, quantized
 

@@ -1,5 +1,5 @@
 """The decoder over a flat batch of tokens and a paged KV cache: Llama, and the families that differ from it only
-in configuration (Mistral, Qwen2, Qwen3, Phi-3: ``config.py`` lists what differs).
+in configuration (Mistral, Qwen2, Qwen3, Phi-3, Gemma 3: ``config.py`` lists what differs).
 
 One forward takes every new token of the step as one row (``input_ids``/``positions`` ``[num_tokens]``);
 :class:`~tokenmill.model.attention.AttentionMetadata` says which rows form which sequence. Q, K and V come
@@ -78,11 +78,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """``[rope_dim // 2]`` float32 angular frequencies, with llama3 / linear scaling applied."""
+def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
+    """``[rope_dim // 2]`` float32 angular frequencies, with llama3 / linear scaling applied; ``local``: those of
+    the sliding-window layers with a base of their own (``rope_local_theta``, unscaled, as Gemma 3's)."""
     dim = config.rope_dim
     # explicit CPU device: stays real even under a `with torch.device("meta")` block
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if local and config.rope_local_theta is not None:
+        return 1.0 / (config.rope_local_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is not None and scaling["rope_type"] == "linear":
@@ -127,7 +130,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
         self.window = config.layer_window(layer)
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
@@ -180,9 +183,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gelu = config.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.gelu:  # GeGLU (Gemma)
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if ops is not None and gate_up.is_contiguous():
             return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
@@ -192,10 +199,15 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama's name for the norm before the MLP; with sandwich norms (Gemma 3) the one after attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norms else None
         self.mlp = LlamaMLP(config)
+        self.rope_index = 1 if config.layer_rope_local(layer) else 0  # which of the model's RoPE tables
 
     def forward(
         self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv_cache: KVCache
@@ -205,6 +217,10 @@ class LlamaDecoderLayer(nn.Module):
         ops = meta.ops
         attn_out = self.self_attn(self.input_layernorm(x, ops), rope, meta, kv_cache)
         post_norm = self.post_attention_layernorm
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            x = x + post_norm(attn_out, ops)  # Gemma 3: each block's output normed before the residual add
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(x, ops), ops)
+            return x + self.post_feedforward_layernorm(mlp_out, ops)
         if ops is not None and attn_out.is_contiguous():  # x += attn_out, then the norm, in one pass
             normed = ops.add_rms_norm_(x, attn_out, post_norm.weight, post_norm.eps)
             return x + self.mlp(normed, ops)
@@ -227,8 +243,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.requires_grad_(False)
-        # A plain attribute, not a buffer: it stays real (and float32) when the model is built on "meta".
+        # Plain attributes, not buffers: they stay real (and float32) when the model is built on "meta". The global
+        # layers' frequencies, then (Gemma 3) the local layers' (LlamaDecoderLayer.rope_index picks one).
         self._inv_freq = rope_inv_freq(config)
+        self._inv_freqs = [self._inv_freq]
+        if config.rope_local_theta is not None:
+            self._inv_freqs.append(rope_inv_freq(config, local=True))
         # the tied head's weight reordered once, and the matmul that takes it (cpu.packing)
         self.packed_head: torch.Tensor | None = None
         self.packed_head_matmul: PackedMatmul | None = None
@@ -261,20 +281,23 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"need one KV cache per layer ({len(self.model.layers)}), got {len(kv_caches)}")
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if (
+            self.config.embed_scale is not None
+        ):  # Gemma: sqrt(hidden), in the activations' dtype as transformers
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         # one rotation for both paths: a token's K/V must not depend on which path computed it (with 8-bit
         # activations the rounding turns an ulp of difference into a step)
-        rope = self._rope_cos_sin(positions, x.dtype)  # cos, sin: [T, 1, R/2] each
+        ropes = [self._rope_cos_sin(inv_freq, positions, x.dtype) for inv_freq in self._inv_freqs]
         fused = self.compute_backend().fused_step(meta)
         if fused is not None:  # the whole step in one call (the backend's decode stack)
-            return fused(x, rope, meta, kv_caches)
+            return fused(x, ropes[0], meta, kv_caches)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, meta, kv_cache)
+            x = layer(x, ropes[layer.rope_index], meta, kv_cache)
         return self.model.norm(x, meta.ops)
 
-    def _rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        angles = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2], float32
+    @staticmethod
+    def _rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2], float32
         # [T, 1, D/2]: broadcast over heads
         return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
@@ -333,6 +356,8 @@ def hf_tensor_names(config: LlamaConfig, fused: bool | None = None) -> list[str]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        if config.sandwich_norms:
+            names += [f"{p}.pre_feedforward_layernorm.weight", f"{p}.post_feedforward_layernorm.weight"]
         attn = ("qkv", "o") if fused else ("q", "k", "v", "o")
         names += [f"{p}.self_attn.{x}_proj.weight" for x in attn]
         if config.qkv_bias:
@@ -380,6 +405,9 @@ def fuse_hf_state_dict(
         if re.search(r"\.(k|v|up)_proj\.(weight|bias)$", name):
             continue  # folded into q / gate below
         match = re.search(r"\.(q|gate)_proj\.(weight|bias)$", name)
+        if match is None and config.norm_offset and name.endswith("norm.weight"):
+            fused[name] = state_dict[name].float() + config.norm_offset  # the multiplier (Gemma: 1 + w)
+            continue
         if match is None:
             fused[name] = state_dict[name]
             continue

@@ -108,6 +108,11 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
     if model.config.o_bias:
         logger.info("no C++ decode stack: o_proj has a bias (decode steps run layer by layer)")
         return None
+    if _unlike_llama(model.config):
+        logger.info(
+            "no C++ decode stack for %s layers (decode steps run layer by layer)", model.config.model_type
+        )
+        return None
     for layer in model.model.layers:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if not all(_fp32_cpu(t) for t in norms):
@@ -154,6 +159,17 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
         config.num_key_value_heads,
         config.head_dim,
         config.rms_norm_eps,
+    )
+
+
+def _unlike_llama(config: Any) -> bool:
+    """A layer the stack does not compute: Gemma 3's norms, GeGLU, scaled embeddings or queries, local RoPE."""
+    return bool(
+        config.sandwich_norms
+        or config.hidden_act != "silu"
+        or config.embed_scale is not None
+        or config.attention_scale is not None
+        or config.rope_local_theta is not None
     )
 
 

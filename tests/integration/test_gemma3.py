@@ -1,0 +1,192 @@
+"""Gemma 3 (text) as configuration of the one decoder, against transformers.
+
+The Hugging Face directory path runs with the other families in ``test_model_families.py``. Here: the same kind of
+tiny random model written as GGUF the way llama.cpp's converter writes Gemma 3 (its tensor names, RMSNorm weights
+stored as 1 + w, a sliding window every layer but each sixth, whose RoPE base and query scale the reader must
+supply), in F32 and with Q8_0 projections kept as blocks; and the real ``gemma-3-270m`` file (slow), whose greedy
+continuations must equal transformers' reading the same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_model_families import (  # noqa: E402
+    VOCAB,
+    embedded_tokenizer_fields,  # noqa: F401  (a fixture)
+    prompts,
+)
+from test_model_vs_hf import PagedRunner, assert_flat_batch_matches, assert_incremental_matches  # noqa: E402
+
+from tokenmill.model.loader import load_model  # noqa: E402
+
+# transformers name -> llama.cpp's, for Gemma 3's layers
+_GEMMA3_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def build_gemma3(seed: int = 0, window: int = 8):
+    """Six layers as llama.cpp assumes Gemma 3's: five local (RoPE base 10,000, a window) and a global one
+    (base 1e6), queries scaled by head_dim ** -0.5; random weights, norms around 0 (they mean 1 + w)."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=window,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    model.tie_weights()
+    return model
+
+
+def write_gemma3_gguf(hf_model, path: Path, tokenizer_fields: dict, quantize: str | None) -> None:
+    import gguf
+    import numpy as np
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(float(c.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_sliding_window(c.sliding_window)
+    for key, value in tokenizer_fields.items():
+        if key == "tokenizer.ggml.model":
+            writer.add_tokenizer_model(value)
+        elif key == "tokenizer.ggml.pre":
+            writer.add_tokenizer_pre(value)
+    writer.add_token_list(tokenizer_fields["tokenizer.ggml.tokens"])
+    writer.add_token_merges(tokenizer_fields["tokenizer.ggml.merges"])
+    writer.add_token_types(tokenizer_fields["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(tokenizer_fields["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(tokenizer_fields["tokenizer.ggml.eos_token_id"])
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.endswith("norm.weight"):
+            array = array + 1  # as llama.cpp's converter writes Gemma's norms: the multiplier itself
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            out = f"blk.{layer}.{_GEMMA3_LAYER[rest]}"
+        else:
+            out = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+            }[name]
+        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
+            qtype = gguf.GGMLQuantizationType[quantize]
+            writer.add_tensor(out, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(out, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gemma3_gguf_matches_transformers(embedded_tokenizer_fields, tmp_path: Path) -> None:  # noqa: F811
+    hf_model = build_gemma3()
+    path = tmp_path / "gemma3-f32.gguf"
+    write_gemma3_gguf(hf_model, path, embedded_tokenizer_fields, quantize=None)
+    loaded = load_model(str(path), device="cpu")
+    config = loaded.config
+    assert config.model_type == "gemma3" and config.sandwich_norms and config.hidden_act == "gelu_tanh"
+    assert [config.layer_window(i) for i in range(6)] == [8] * 5 + [None]
+    assert config.attention_scale == 64**-0.5 and config.rope_local_theta == 10_000.0
+    # prompts shorter and longer than the window, in one flat batch
+    assert_flat_batch_matches(loaded.model, config, hf_model, prompts([3, 7, 20, 33], seed=3), block_size=4)
+    # a prefill within the window, a chunk past it, then decode steps (the windowed path on local layers)
+    assert_incremental_matches(loaded.model, config, hf_model, prompts([30], seed=5)[0], 6, block_size=4)
+
+
+def test_gemma3_gguf_blocks_equal_the_file_dequantized(embedded_tokenizer_fields, tmp_path: Path) -> None:  # noqa: F811
+    hf_model = build_gemma3(seed=1)
+    path = tmp_path / "gemma3-q8_0.gguf"
+    write_gemma3_gguf(hf_model, path, embedded_tokenizer_fields, quantize="Q8_0")
+    kept = load_model(str(path), device="cpu")
+    dequantized = load_model(str(path), device="cpu", quantization="fp32")
+    assert kept.quantization == "gguf"
+    batch = dict(enumerate(prompts([5, 18, 30], seed=4)))
+    a = PagedRunner(kept.model, kept.config, 64, 4).step(batch)
+    b = PagedRunner(dequantized.model, dequantized.config, 64, 4).step(batch)
+    assert (a - b).abs().max() < 1e-3
+
+
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_equals_transformers_on_the_same_file() -> None:
+    """``gemma-3-270m`` (Q4_K_M: Q8_0, Q5_0, Q4_K and Q6_K blocks, 262k-token SentencePiece vocabulary): the
+    tokenizers agree and five greedy continuations equal transformers' reading the same file in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill import models
+    from tokenmill.engine import Engine
+    from tokenmill.sampling_params import SamplingParams
+
+    path = models.pull("gemma-3-270m", progress=False, log=lambda s: None)
+    loaded = load_model(str(path), device="cpu")
+    assert loaded.quantization == "gguf" and loaded.config.model_type == "gemma3"
+    assert loaded.config.vocab_size == 262144 and loaded.config.head_dim == 256
+    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = [loaded.tokenizer.encode(p) for p in GEMMA_PROMPTS]  # with BOS, as the model was trained
+    assert ids == [hf_tok(p)["input_ids"] for p in GEMMA_PROMPTS]
+    engine = Engine(loaded=loaded, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in engine.generate(ids, params)]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    for prompt_ids, got in zip(ids, ours):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+            )
+        expected = out[0, len(prompt_ids) :].tolist()
+        assert got == expected, (hf_tok.decode(got), hf_tok.decode(expected))
