@@ -1,6 +1,7 @@
 """The benchmark suite: every case through tokenmill and its peers, against the hardware's limits.
 
     python benchmarks/suite.py [--cases a,b,c,d,e] [--peers hf,hf_cb,llamacpp] [--json out.json] [--quick]
+    python benchmarks/suite.py --model qwen2.5-coder-1.5b-instruct --peers llamacpp   # a pulled model
 
 1. Load tokenmill (fp32 on CPU, bf16 on CUDA) and build the cases' token-id prompts (``workloads.py``).
 2. Measure the hardware limits (``hardware.py``): matmul FLOP/s at the model's shapes, read bandwidth.
@@ -93,7 +94,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run tokenmill with prefix caching off (on by default, as in the engine)",
     )
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file for the peers (default: embedded)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="a model `tokenmill pull` fetched (or a GGUF path): every engine runs that file, the limits come "
+        "from its shapes and bytes (same as --gguf PATH)",
+    )
     args = parser.parse_args(argv)
+    if args.model is not None:
+        from tokenmill.models import resolve
+
+        if args.gguf is not None:
+            parser.error("give --model or --gguf, not both")
+        try:
+            args.gguf = Path(resolve(args.model))
+        except ValueError as exc:  # a catalogue name not pulled yet
+            parser.error(str(exc))
+        if not args.gguf.is_file():
+            parser.error(f"--model {args.model}: no such file {args.gguf} (tokenmill pull {args.model})")
     args.case_list = _split(args.cases, workloads.ALL_CASES, "--cases")
     args.peer_list = [] if args.peers == "none" else _split(args.peers, ALL_PEERS, "--peers")
     args.int8_case_list = (

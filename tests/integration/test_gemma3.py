@@ -1,9 +1,9 @@
 """Gemma 3 (text) as configuration of the one decoder, against transformers.
 
 The Hugging Face directory path runs with the other families in ``test_model_families.py``. Here: the same kind of
-tiny random model written as GGUF the way llama.cpp's converter writes Gemma 3 (its tensor names, RMSNorm weights
-stored as 1 + w, a sliding window every layer but each sixth, whose RoPE base and query scale the reader must
-supply), in F32 and with Q8_0 projections kept as blocks; and the real ``gemma-3-270m`` file (slow), whose greedy
+tiny random model written as GGUF the way llama.cpp's converter writes Gemma 3 (``write_family_gguf``: its tensor
+names, RMSNorm weights stored as 1 + w; a sliding window every layer but each sixth, whose RoPE base and query
+scale the reader must supply), in F32 and with Q8_0 projections kept as blocks; and the real ``gemma-3-270m`` file (slow), whose greedy
 continuations must equal transformers' reading the same file.
 """
 
@@ -20,27 +20,11 @@ from test_model_families import (  # noqa: E402
     VOCAB,
     embedded_tokenizer_fields,  # noqa: F401  (a fixture)
     prompts,
+    write_family_gguf,
 )
 from test_model_vs_hf import PagedRunner, assert_flat_batch_matches, assert_incremental_matches  # noqa: E402
 
 from tokenmill.model.loader import load_model  # noqa: E402
-
-# transformers name -> llama.cpp's, for Gemma 3's layers
-_GEMMA3_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 
 
 def build_gemma3(seed: int = 0, window: int = 8):
@@ -73,62 +57,10 @@ def build_gemma3(seed: int = 0, window: int = 8):
     return model
 
 
-def write_gemma3_gguf(hf_model, path: Path, tokenizer_fields: dict, quantize: str | None) -> None:
-    import gguf
-    import numpy as np
-
-    c = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(float(c.rope_parameters["full_attention"]["rope_theta"]))
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_sliding_window(c.sliding_window)
-    for key, value in tokenizer_fields.items():
-        if key == "tokenizer.ggml.model":
-            writer.add_tokenizer_model(value)
-        elif key == "tokenizer.ggml.pre":
-            writer.add_tokenizer_pre(value)
-    writer.add_token_list(tokenizer_fields["tokenizer.ggml.tokens"])
-    writer.add_token_merges(tokenizer_fields["tokenizer.ggml.merges"])
-    writer.add_token_types(tokenizer_fields["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(tokenizer_fields["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(tokenizer_fields["tokenizer.ggml.eos_token_id"])
-    for name, tensor in hf_model.state_dict().items():
-        array = tensor.detach().float().numpy()
-        if name == "lm_head.weight":
-            continue  # tied
-        if name.endswith("norm.weight"):
-            array = array + 1  # as llama.cpp's converter writes Gemma's norms: the multiplier itself
-        if name.startswith("model.layers."):
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            out = f"blk.{layer}.{_GEMMA3_LAYER[rest]}"
-        else:
-            out = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-            }[name]
-        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
-            qtype = gguf.GGMLQuantizationType[quantize]
-            writer.add_tensor(out, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(out, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_gemma3_gguf_matches_transformers(embedded_tokenizer_fields, tmp_path: Path) -> None:  # noqa: F811
     hf_model = build_gemma3()
     path = tmp_path / "gemma3-f32.gguf"
-    write_gemma3_gguf(hf_model, path, embedded_tokenizer_fields, quantize=None)
+    write_family_gguf(hf_model, "gemma3", path, embedded_tokenizer_fields, quantize=None)
     loaded = load_model(str(path), device="cpu")
     config = loaded.config
     assert config.model_type == "gemma3" and config.sandwich_norms and config.hidden_act == "gelu_tanh"
@@ -143,7 +75,7 @@ def test_gemma3_gguf_matches_transformers(embedded_tokenizer_fields, tmp_path: P
 def test_gemma3_gguf_blocks_equal_the_file_dequantized(embedded_tokenizer_fields, tmp_path: Path) -> None:  # noqa: F811
     hf_model = build_gemma3(seed=1)
     path = tmp_path / "gemma3-q8_0.gguf"
-    write_gemma3_gguf(hf_model, path, embedded_tokenizer_fields, quantize="Q8_0")
+    write_family_gguf(hf_model, "gemma3", path, embedded_tokenizer_fields, quantize="Q8_0")
     kept = load_model(str(path), device="cpu")
     dequantized = load_model(str(path), device="cpu", quantization="fp32")
     assert kept.quantization == "gguf"

@@ -274,6 +274,13 @@ _GGUF_LAYER = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3: gate and up in one tensor
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_GGUF_LAYER_BY_ARCH = {  # Gemma 3's norms: after attention, before and after the MLP
+    "gemma3": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+}
 
 
 def _llama_cpp_permute(w, num_heads: int):
@@ -297,7 +304,8 @@ def write_family_gguf(
     import gguf
     import numpy as np
 
-    arch, c = GGUF_ARCH[family], hf_model.config
+    arch, c = GGUF_ARCH.get(family, family), hf_model.config
+    layer_names = {**_GGUF_LAYER, **_GGUF_LAYER_BY_ARCH.get(arch, {})}
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary = int(head_dim * (c.rope_parameters or {}).get("partial_rotary_factor", 1.0))
     writer = gguf.GGUFWriter(str(path), arch)
@@ -309,10 +317,11 @@ def write_family_gguf(
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: per layer type
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_dimension_count(rotary)
-    if getattr(c, "sliding_window", None) and family == "phi3":
+    if getattr(c, "sliding_window", None) and family in ("phi3", "gemma3"):
         writer.add_sliding_window(c.sliding_window)
     writer.add_tokenizer_model(tokenizer_fields["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(tokenizer_fields["tokenizer.ggml.pre"])
@@ -325,9 +334,11 @@ def write_family_gguf(
         array = tensor.detach().float().numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1  # as llama.cpp's converter writes Gemma's norms: the multiplier itself
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            out = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+            out = f"blk.{layer}.{layer_names[rest]}"
             if arch == "llama" and rest.startswith("self_attn.q_proj"):
                 array = _llama_cpp_permute(array, c.num_attention_heads)
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):

@@ -259,7 +259,11 @@ class LlamaConfig:
         eos = [meta.get(key) for key in GGUF_EOS_KEYS]
         window = meta.get(f"{arch}.attention.sliding_window")
         num_layers = int(need("block_count"))
-        gemma = _gguf_gemma3_fields(hidden_size, num_heads, head_dim, num_layers) if arch == "gemma3" else {}
+        gemma = (
+            _gguf_gemma3_fields(meta, hidden_size, num_heads, head_dim, num_layers)
+            if arch == "gemma3"
+            else {}
+        )
         return cls(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -294,11 +298,19 @@ _GGUF_ARCHITECTURES = {
 }
 
 
-def _gguf_gemma3_fields(hidden_size: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
-    """Gemma 3's fields that its GGUF metadata leaves to the reader, as llama.cpp fixes them: every 6th layer
-    global, the local RoPE base 10,000, queries scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B,
-    whose query_pre_attn_scalar is that). The norms' weights are stored as 1 + w already: ``norm_offset`` says
-    what they mean, and the GGUF reader subtracts it to give Hugging Face's values."""
+def _gguf_gemma3_fields(
+    meta: dict[str, Any], hidden_size: int, num_heads: int, head_dim: int, num_layers: int
+) -> dict[str, Any]:
+    """Gemma 3's fields, as llama.cpp reads its GGUF: a window on every layer but each sixth (or every
+    ``sliding_window_pattern``-th), the local RoPE base ``rope.freq_base_swa`` (10,000 when absent), queries
+    scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B, whose query_pre_attn_scalar is that). The
+    norms' weights are stored as 1 + w: ``norm_offset`` says what they mean, and the GGUF reader subtracts it to
+    give Hugging Face's values."""
+    if meta.get("gemma3.final_logit_softcapping"):
+        raise ValueError(
+            f"unsupported GGUF: final_logit_softcapping={meta['gemma3.final_logit_softcapping']}"
+        )
+    pattern = int(meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_WINDOW_PATTERN))
     scalar = hidden_size // num_heads if num_layers == 62 else head_dim
     return {
         "hidden_act": "gelu_tanh",
@@ -306,8 +318,10 @@ def _gguf_gemma3_fields(hidden_size: int, num_heads: int, head_dim: int, num_lay
         "norm_offset": 1.0,
         "sandwich_norms": True,
         "attention_scale": float(scalar) ** -0.5,
-        "rope_local_theta": _GEMMA3_LOCAL_THETA,
-        "sliding_window_layers": tuple(i for i in range(num_layers) if (i + 1) % _GEMMA3_WINDOW_PATTERN),
+        "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_THETA)),
+        "sliding_window_layers": tuple(
+            i for i in range(num_layers) if pattern == 0 or i % pattern < pattern - 1
+        ),
     }
 
 

@@ -102,16 +102,10 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
     stack_class, kernels = decode_stack_class(), panel_linear_kernels()
     if stack_class is None or kernels is None:
         return None
-    width = kernels[2]
-    empty = torch.empty(0)
-    tensors: list[torch.Tensor] = []
-    if model.config.o_bias:
-        logger.info("no C++ decode stack: o_proj has a bias (decode steps run layer by layer)")
-        return None
-    if _unlike_llama(model.config):
-        logger.info(
-            "no C++ decode stack for %s layers (decode steps run layer by layer)", model.config.model_type
-        )
+    width, empty, tensors = kernels[2], torch.empty(0), []
+    refusal = _stack_refusal(model.config)
+    if refusal is not None:
+        logger.info("no C++ decode stack: %s (decode steps run layer by layer)", refusal)
         return None
     for layer in model.model.layers:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -162,15 +156,19 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any:
     )
 
 
-def _unlike_llama(config: Any) -> bool:
-    """A layer the stack does not compute: Gemma 3's norms, GeGLU, scaled embeddings or queries, local RoPE."""
-    return bool(
+def _stack_refusal(config: Any) -> str | None:
+    """Why the stack cannot compute this model's layers, or None: a bias on o_proj, or Gemma 3's norms, GeGLU,
+    scaled embeddings or queries, local RoPE."""
+    if config.o_bias:
+        return "o_proj has a bias"
+    unlike_llama = (
         config.sandwich_norms
         or config.hidden_act != "silu"
         or config.embed_scale is not None
         or config.attention_scale is not None
         or config.rope_local_theta is not None
     )
+    return f"{config.model_type} layers" if unlike_llama else None
 
 
 def _fp32_cpu(t: torch.Tensor) -> bool:
