@@ -206,6 +206,31 @@ class Request:
             self.first_token_time_s = now_s
         self.last_token_time_s = now_s
 
+    # --- written by the KV-cache manager ----------------------------------------------------------
+    def set_block_table(self, block_ids: list[int], num_cached_blocks: int = 0) -> None:
+        """A table of blocks (a cached prefix at admission, or none when the request lets go of them)."""
+        self.block_ids = list(block_ids)
+        self.num_cached_blocks = num_cached_blocks
+
+    def append_blocks(self, block_ids: list[int], num_reserved_blocks: int) -> None:
+        """New blocks at the end of the table, and the worst-case reservation still held beyond it."""
+        self.block_ids.extend(block_ids)
+        self.num_reserved_blocks = num_reserved_blocks
+
+    def drop_leading_blocks(self, num_blocks: int, marker: int) -> None:
+        """The first ``num_blocks`` entries given back (outside a sliding window): ``marker`` keeps their places."""
+        self.block_ids[:num_blocks] = [marker] * num_blocks
+
+    def release_blocks(self) -> None:
+        self.block_ids, self.num_reserved_blocks, self.num_cached_blocks = [], 0, 0
+
+    def mark_blocks_cached(self, num_blocks: int) -> None:
+        """The first ``num_blocks`` full blocks are in the prefix cache's map."""
+        self.num_cached_blocks = num_blocks
+
+    def add_block_hash(self, block_hash: bytes) -> None:
+        self.block_hashes.append(block_hash)
+
     # --- written by the engine's output side -----------------------------------------------------
     def take_new_token_ids(self) -> list[int]:
         """Output tokens not yet handed to the caller; marks them handed."""

@@ -627,3 +627,22 @@ def test_failed_step_ends_its_rows_and_still_reports_requests_ended_in_schedule(
     assert failed_once, "the workload was meant to hit the preemption bound"
     assert sorted(reported) == sorted(r.request_id for r in requests)  # every request ends exactly once
     assert sched.kv.num_free_blocks == 12
+
+
+def test_the_schedule_is_plain_data_that_pickles() -> None:
+    """The contract with the runner carries ids, tokens, positions and blocks, never a live Request: tensor
+    parallelism broadcasts these very rows to its workers."""
+    import dataclasses
+    import pickle
+
+    sched = make_scheduler()
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 5 + i, 4))
+    out = sched.schedule()
+    assert len(out.rows) == 3
+    for row in out.rows:
+        values = [getattr(row, f.name) for f in dataclasses.fields(row)]
+        assert not any(isinstance(v, Request) for v in values)
+    again = pickle.loads(pickle.dumps(out))
+    assert again.rows == out.rows and again.record == out.record
+    assert [row.request_id for row in again.rows] == ["r0", "r1", "r2"]

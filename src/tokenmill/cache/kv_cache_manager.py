@@ -165,16 +165,16 @@ class KVCacheManager:
         if cached and not first:
             raise RuntimeError(f"request {request.request_id!r}: cached blocks only start a table")
         if cached:
-            request.block_ids = cached  # for _demand; taken back below when they do not fit
+            request.set_block_table(cached)  # for _demand; taken back below when they do not fit
         needed, shared = self._demand(request, num_new_tokens, num_lookahead_blocks)
         num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # they leave the free queue
         if shared + num_revived > self.num_free_blocks:
             if cached:
-                request.block_ids = []
+                request.set_block_table([])
             return None
         if cached:
             self.pool.touch(cached)
-            request.num_cached_blocks = len(cached)
+            request.mark_blocks_cached(len(cached))
         if first and self.reserve == "worst_case":
             reserved_total = shared  # booked now, allocated below as it is needed
         else:
@@ -187,8 +187,7 @@ class KVCacheManager:
         from_reservation = min(needed, reserved_total)
         new_reserved = reserved_total - from_reservation
         self._num_reserved_unused += new_reserved - request.num_reserved_blocks
-        request.num_reserved_blocks = new_reserved
-        request.block_ids.extend(new_blocks)
+        request.append_blocks(new_blocks, new_reserved)
         self._requests[request.request_id] = request
         return new_blocks
 
@@ -203,7 +202,7 @@ class KVCacheManager:
         released = [b for b in request.block_ids[:num_droppable] if b != DROPPED]
         if released:
             self.pool.free(released)
-            request.block_ids[:num_droppable] = [DROPPED] * num_droppable
+            request.drop_leading_blocks(num_droppable, DROPPED)
         return len(released)
 
     def free(self, request: Request) -> None:
@@ -217,9 +216,7 @@ class KVCacheManager:
             raise RuntimeError(f"two requests share the id {request.request_id!r}")
         self.pool.free([b for b in request.block_ids if b != DROPPED])
         self._num_reserved_unused -= request.num_reserved_blocks
-        request.block_ids = []
-        request.num_reserved_blocks = 0
-        request.num_cached_blocks = 0
+        request.release_blocks()
 
     # --- prefix caching -----------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -231,7 +228,7 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else hashlib.sha256((request.cache_salt or "").encode()).digest()
             block = tokens[i * bs : (i + 1) * bs]
-            hashes.append(hashlib.sha256(parent + struct.pack(f"<{bs}i", *block)).digest())
+            request.add_block_hash(hashlib.sha256(parent + struct.pack(f"<{bs}i", *block)).digest())
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -260,7 +257,7 @@ class KVCacheManager:
             if request.block_ids[i] == DROPPED:  # released before it was registered: nothing to cache
                 continue
             self.pool.cache(request.block_ids[i], hashes[i])  # False: a twin computed at once; stays private
-        request.num_cached_blocks = num_full
+        request.mark_blocks_cached(num_full)
 
     # --- checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
