@@ -46,6 +46,8 @@ class DecodeRows:
 
 @dataclass
 class KernelPlan:
+    """A step's attention for the C++ kernels, read in place from the paged cache (see the module docstring)."""
+
     decode_rows: DecodeRows | None  # every decode row
     # every prefill for the tiled kernel: [n, 4] int64 (first flat row, query tokens, position of the first,
     # block table row); None without one (no prefill, or a head size the tiled kernel does not take)
@@ -57,6 +59,7 @@ class KernelPlan:
 
     @property
     def decode_only(self) -> bool:
+        """Every row decodes one token: the step the decode stack can take whole."""
         return (
             self.decode_rows is not None
             and self.prefill_seqs is None
