@@ -76,10 +76,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
 
-    @property
-    def query_lens(self) -> list[int]:
-        return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])]
-
     @classmethod
     def build(
         cls,
@@ -122,7 +118,7 @@ class AttentionMetadata:
                 len(seq_lens), max_num_blocks
             ),
             block_size=block_size,
-            host_block_tables=[list(t) for t in block_tables],
+            host_block_tables=block_tables,  # read only, never changed: no copy
         )
 
 
