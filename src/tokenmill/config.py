@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Reserve = Literal["none", "worst_case"]
 # The token budget of a step when none is given, per device type (EngineConfig.max_num_batched_tokens): a
@@ -31,6 +32,65 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("num_blocks", self.num_blocks)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's ``speculative_config`` keys (``core/ngram.py``).
+
+    ``method="ngram"`` (prompt lookup): the longest suffix of prompt + output of ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens that occurred before proposes the up to ``num_speculative_tokens`` tokens that
+    followed it; the target model verifies them in the same forward as everyone's decode rows.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError(
+                "speculative_config: method 'draft_model' is not implemented yet; use method 'ngram'"
+            )
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        _positive("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
+        _positive("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
+        _positive("speculative_config.prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) > prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """A dict as vLLM takes it (``{"method": "ngram", "num_speculative_tokens": 4}``); unknown keys refused.
+        ``prompt_lookup_min``/``_max`` given alone set both ends (as vLLM does)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        fields = dict(value)
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if fields.get("method", "ngram") != "draft_model" and fields.get("model") is not None:
+            raise ValueError("speculative_config.model is only for method 'draft_model'")
+        fields.pop("model", None)
+        low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if low is not None and high is None and low > cls.prompt_lookup_max:
+            fields["prompt_lookup_max"] = low
+        if high is not None and low is None and high < cls.prompt_lookup_min:
+            fields["prompt_lookup_min"] = high
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -83,8 +143,11 @@ class EngineConfig:
     generation_config: str = "auto"
     # ranks one model's layers are split over (worker/tensor_parallel.py; gloo on CPU)
     tensor_parallel_size: int = 1
+    # speculative decoding (None: off): a SpeculativeConfig or vLLM's dict, {"method": "ngram", ...}
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_preemptions", self.max_num_preemptions)

@@ -168,7 +168,12 @@ class Engine:
             # blocks outside the window are released only when every layer has one (Qwen2's lower layers may not)
             sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size)
+        proposer = None
+        if config.speculative_config is not None:
+            from tokenmill.core.ngram import NgramProposer
+
+            proposer = NgramProposer(config.speculative_config)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size, proposer)
 
     def _blocks_from_budget(self, bytes_per_block: int) -> int:
         budget = self.config.kv_cache_memory_bytes
@@ -381,10 +386,23 @@ class Engine:
         num_logprobs_before = request.num_returned_tokens
         new_ids = request.take_new_token_ids()
         detok: IncrementalDetokenizer = request.detokenizer
-        new_text = detok.add(new_ids) if new_ids else ""
+        if len(new_ids) > 1 and request.sampling_params.stop:
+            # several tokens in one step (speculative decoding): a stop string may end inside them; the
+            # tokens after the one that completed it are dropped
+            new_text = ""
+            for n, token in enumerate(new_ids):
+                new_text += detok.add([token])
+                if detok.stop_string is not None:
+                    new_ids = new_ids[: n + 1]
+                    break
+        else:
+            new_text = detok.add(new_ids) if new_ids else ""
         if detok.stop_string is not None and not request.is_finished:
             self.scheduler.finish_request(
-                request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=detok.stop_string
+                request.request_id,
+                RequestStatus.FINISHED_STOPPED,
+                stop_reason=detok.stop_string,
+                num_output_tokens=num_logprobs_before + len(new_ids),
             )
         if request.is_finished and detok.stop_string is None:
             new_text += detok.flush()

@@ -4,6 +4,7 @@ bench). One definition, so `tokenmill serve --num-kv-blocks` and `tokenmill chat
 from __future__ import annotations
 
 import argparse
+import json
 
 from tokenmill.config import QUANTIZATIONS, EngineConfig
 
@@ -60,6 +61,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "else tokenmill's: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05), none "
         "(OpenAI's: temperature 1.0, no filters), or a directory holding a generation_config.json",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (off by default)',
+    )
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -80,4 +98,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=getattr(args, "speculative_config", None),
     )

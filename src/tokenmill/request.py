@@ -112,6 +112,10 @@ class Request:
     # it has consumed (the engine advances it; the sampler reads its mask).
     grammar: Any = None
     num_grammar_tokens: int = 0
+    # Speculative decoding (the scheduler's): verification steps with a proposal, tokens proposed, accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -206,6 +210,22 @@ class Request:
             self.first_token_time_s = now_s
         self.last_token_time_s = now_s
 
+    def record_speculation(self, num_proposed: int, num_accepted: int) -> None:
+        """One verification: ``num_proposed`` draft tokens, of which the first ``num_accepted`` were kept."""
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_proposed
+        self.num_spec_accepted_tokens += num_accepted
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first ``num_output_tokens`` outputs: a stop string ended the text inside a step's tokens
+        (speculative decoding appends several), and what follows it was never generated as far as anyone sees."""
+        if num_output_tokens >= len(self.output_token_ids):
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.output_logprobs[num_output_tokens:]
+        self.num_returned_tokens = min(self.num_returned_tokens, num_output_tokens)
+        self.num_grammar_tokens = min(self.num_grammar_tokens, num_output_tokens)
+
     # --- written by the KV-cache manager ----------------------------------------------------------
     def set_block_table(self, block_ids: list[int], num_cached_blocks: int = 0) -> None:
         """A table of blocks (a cached prefix at admission, or none when the request lets go of them)."""
@@ -220,6 +240,11 @@ class Request:
     def drop_leading_blocks(self, num_blocks: int, marker: int) -> None:
         """The first ``num_blocks`` entries given back (outside a sliding window): ``marker`` keeps their places."""
         self.block_ids[:num_blocks] = [marker] * num_blocks
+
+    def drop_trailing_blocks(self, num_keep: int, num_reserved_blocks: int) -> None:
+        """Entries from ``num_keep`` on given back (rejected draft tokens' slots); the reservation after it."""
+        del self.block_ids[num_keep:]
+        self.num_reserved_blocks = num_reserved_blocks
 
     def release_blocks(self) -> None:
         self.block_ids, self.num_reserved_blocks, self.num_cached_blocks = [], 0, 0

@@ -30,6 +30,12 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache: not computed
     num_prefix_evicted_blocks: int = 0  # cached blocks reused for other tokens (set by the engine)
     num_failed_steps: int = 0  # forwards that raised (their requests ended with an error)
+    # speculative decoding: verifications (rows with a proposal), tokens proposed, tokens accepted, and accepted
+    # at each proposal position (vLLM's spec_decode counters); rejected tokens' slots were computed for nothing
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     idle_rows_by_reason: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in IdleReason})
     records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -46,9 +52,32 @@ class EngineStats:
         total = self.num_idle_rows
         return {k: (v / total if total else 0.0) for k, v in self.idle_rows_by_reason.items()}
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted proposed tokens / proposed tokens."""
+        return (
+            self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else 0.0
+        )
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verification row yields on average: 1 (the target's own) + the accepted proposed ones."""
+        return 1.0 + self.num_spec_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else 0.0
+
+    @property
+    def spec_waste_fraction(self) -> float:
+        """Decode token positions computed for proposed tokens that were rejected, over all decode positions."""
+        rejected = self.num_spec_draft_tokens - self.num_spec_accepted_tokens
+        return rejected / self.num_decode_tokens if self.num_decode_tokens else 0.0
+
     def totals(self) -> EngineStats:
         """A copy of the counters without the per-step records, safe to hand to another thread."""
-        return replace(self, idle_rows_by_reason=dict(self.idle_rows_by_reason), records=deque(maxlen=1))
+        return replace(
+            self,
+            idle_rows_by_reason=dict(self.idle_rows_by_reason),
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            records=deque(maxlen=1),
+        )
 
     def add_step(self, record: StepRecord, num_new_tokens: int) -> None:
         self.num_preemptions += record.num_preemptions
@@ -66,14 +95,24 @@ class EngineStats:
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
         for reason, n in record.idle_rows.items():
             self.idle_rows_by_reason[reason.value] += n
+        if record.num_spec_drafts:
+            self.num_spec_drafts += record.num_spec_drafts
+            self.num_spec_draft_tokens += record.num_spec_draft_tokens
+            self.num_spec_accepted_tokens += record.num_spec_accepted_tokens
+            per_pos = self.spec_accepted_per_pos
+            per_pos.extend([0] * (len(record.spec_accepted_per_pos) - len(per_pos)))
+            for i, n in enumerate(record.spec_accepted_per_pos):
+                per_pos[i] += n
 
     def as_dict(self) -> dict[str, object]:
         names = (
             "num_iterations num_token_slots num_collected_tokens occupancy num_prefill_tokens num_decode_tokens"
             " num_preemptions num_recomputed_tokens num_prefix_queried_tokens num_prefix_hit_tokens"
-            " num_prefix_evicted_blocks num_finished num_failed_steps"
+            " num_prefix_evicted_blocks num_finished num_failed_steps num_spec_drafts num_spec_draft_tokens"
+            " num_spec_accepted_tokens spec_acceptance_rate spec_mean_acceptance_length spec_waste_fraction"
         )
         return {
             **{name: getattr(self, name) for name in names.split()},
+            "spec_accepted_per_pos": list(self.spec_accepted_per_pos),
             "idle_rows_by_reason": dict(self.idle_rows_by_reason),
         }

@@ -133,6 +133,29 @@ def apply_masks(logits: torch.Tensor, matchers: Sequence[tuple[int, Any]]) -> No
     logits[index] = logits[index].masked_fill(blocked, float("-inf"))
 
 
+def apply_masks_along(logits: torch.Tensor, matcher: Any, draft: Sequence[int]) -> None:
+    """Speculative decoding: mask ``logits`` [len(draft) + 1, V], row j for the position after the first j
+    proposed tokens. The matcher consumes the proposal to compute the masks, then rolls back: its state is as
+    before. Rows past a token the grammar refuses keep no mask (verification never reaches them: that token's
+    probability is 0)."""
+    vocab = logits.shape[1]
+    num_words = (vocab + 31) // 32
+    bitmask = torch.full((len(draft) + 1, num_words), -1, dtype=torch.int32)  # [k + 1, ceil(V / 32)]
+    num_valid = matcher.validate_tokens(list(draft)) if draft else 0
+    num_consumed = 0
+    for j in range(num_valid + 1):
+        row = bitmask[j]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if j < num_valid:
+            matcher.consume_token(draft[j])
+            num_consumed += 1
+    if num_consumed:
+        matcher.rollback(num_consumed)
+    as_bytes = bitmask.view(torch.uint8)  # [k + 1, 4W] -> [k + 1, 4W, 8] -> [k + 1, V]
+    blocked = ((as_bytes.unsqueeze(-1) & _BYTE_BITS) == 0).reshape(len(draft) + 1, num_words * 32)[:, :vocab]
+    logits.masked_fill_(blocked, float("-inf"))
+
+
 def advance(matcher: Any, token_ids: Sequence[int]) -> str | None:
     """Feed the matcher tokens the request appended. Returns "stop" when the grammar is complete, an error
     message when a token was not allowed (cannot happen under the mask but for EOS-less stops), else None."""

@@ -31,10 +31,14 @@ def fake_execute(
     out: SchedulerOutput, block_size: int, requests: Mapping[str, Request], kv: KVCacheManager | None = None
 ) -> ModelRunnerOutput:
     sampled = {}
+    verified = {}
     for row in out.rows:
         r = requests[row.request_id]
         assert row.start_position == r.num_computed_tokens
-        assert row.token_ids == r.all_token_ids[row.start_position : row.seq_len]
+        num_known = row.num_new_tokens - row.num_spec_tokens  # the row's tokens the request already has
+        assert (
+            row.token_ids[:num_known] == r.all_token_ids[row.start_position : row.start_position + num_known]
+        )
         assert len(row.block_ids) * block_size >= row.seq_len
         if (
             kv is not None
@@ -42,10 +46,45 @@ def fake_execute(
             for b in row.block_ids[row.start_position // block_size : -(-row.seq_len // block_size)]:
                 assert kv.pool.ref_count(b) == 1, f"row {r.request_id} writes shared block {b}"
                 assert not kv.pool.is_cached(b), f"row {r.request_id} writes cached block {b}"
-        assert row.sample == (row.seq_len == r.num_tokens)
-        if row.sample:
+        assert row.sample == (row.start_position + num_known == r.num_tokens)
+        if row.num_spec_tokens:  # greedy verification against the fake model's tokens
+            assert row.sample and not row.is_prefill and num_known == 1
+            assert row.num_spec_tokens < r.sampling_params.max_tokens - r.num_output_tokens
+            kept = []
+            for j, token in enumerate(row.spec_token_ids):
+                if token != token_at(r.request_id, r.num_tokens + j):
+                    break
+                kept.append(SampledToken(token))
+            kept.append(SampledToken(token_at(r.request_id, r.num_tokens + len(kept))))
+            verified[r.request_id] = kept
+        elif row.sample:
             sampled[r.request_id] = SampledToken(token_at(r.request_id, row.seq_len))
-    return ModelRunnerOutput(sampled=sampled)
+    return ModelRunnerOutput(sampled=sampled, verified=verified)
+
+
+class FakeProposer:
+    """Proposes 1-4 tokens for a decoding request, each right (the fake model's) or wrong by a hash."""
+
+    def __init__(self) -> None:
+        self.forgotten: set[str] = set()
+        self.num_proposed = 0
+
+    def propose(self, request: Request, max_num_tokens: int) -> list[int]:
+        assert max_num_tokens >= 1
+        n = min(max_num_tokens, 1 + zlib.crc32(f"n{request.request_id}:{request.num_tokens}".encode()) % 4)
+        out = []
+        for j in range(n):
+            right = token_at(request.request_id, request.num_tokens + j)
+            wrong = zlib.crc32(f"w{request.request_id}:{request.num_tokens + j}".encode()) % 5 == 0
+            out.append(right + 1 if wrong else right)
+        self.num_proposed += len(out)
+        return out
+
+    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        assert 0 <= num_accepted <= num_proposed
+
+    def forget(self, request_id: str) -> None:
+        self.forgotten.add(request_id)
 
 
 @dataclass
@@ -121,8 +160,10 @@ def drive(
     max_num_preemptions: int,
     ops: list[tuple[object, ...]],
     enable_caching: bool = False,
+    speculate: bool = False,
 ) -> None:
-    """Apply ``ops``, run to completion, and check the end state."""
+    """Apply ``ops``, run to completion, and check the end state. ``speculate``: decode rows carry proposals
+    (FakeProposer) that the fake runner verifies; the tokens must still be exactly the fake model's."""
     kv = KVCacheManager(
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
         reserve,  # type: ignore[arg-type]
@@ -135,7 +176,8 @@ def drive(
         reserve=reserve,  # type: ignore[arg-type]
         max_num_preemptions=max_num_preemptions,
     )
-    h = Harness(Scheduler(config, kv, block_size), block_size, {}, {})
+    proposer = FakeProposer() if speculate else None
+    h = Harness(Scheduler(config, kv, block_size, proposer), block_size, {}, {})  # type: ignore[arg-type]
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, ignore_eos, *family = op
@@ -197,6 +239,10 @@ def drive(
     assert kv.num_reserved_unused_blocks == 0 and kv.usage == 0.0
     assert kv.num_tracked_requests == 0
     kv.check_integrity()
+    if proposer is not None:
+        assert proposer.forgotten == set(h.requests)  # every request's proposer state dropped at its end
+        if proposer.num_proposed:
+            event("proposals verified")
 
 
 @settings(max_examples=300, deadline=None)
@@ -295,4 +341,40 @@ def test_prefix_caching_keeps_every_invariant(
     drive(
         block_size, num_blocks, max_num_seqs, max_num_batched_tokens, 40, reserve, max_num_preemptions, ops,
         enable_caching=True,
+    )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(3, 20),
+    max_num_seqs=st.integers(1, 8),
+    max_num_batched_tokens=st.integers(1, 48),
+    reserve=st.sampled_from(["none", "none", "worst_case"]),
+    max_num_preemptions=st.integers(1, 4),
+    enable_caching=st.booleans(),
+    burst=st.lists(
+        st.tuples(st.just("add"), st.integers(1, 6), st.integers(2, 12), st.just(True), st.integers(0, 2)),
+        min_size=2,
+        max_size=8,
+    ),
+    ops=ops_strategy,
+)
+def test_speculation_keeps_every_invariant(
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    reserve: str,
+    max_num_preemptions: int,
+    enable_caching: bool,
+    burst: list[tuple[object, ...]],
+    ops: list[tuple[object, ...]],
+) -> None:
+    """Speculative decoding under a tight pool: rows of 1 + k tokens, rejected tokens' blocks given back every
+    step. Integrity after every step, the fake model's tokens exactly (none past max_tokens or a stop token),
+    no row writing a shared or cached block, every block back at the end."""
+    drive(
+        block_size, num_blocks, max_num_seqs, max_num_batched_tokens, 40, reserve, max_num_preemptions,
+        [*burst, *ops], enable_caching=enable_caching, speculate=True,
     )  # fmt: skip

@@ -163,6 +163,14 @@ def _print_batching(result: Any, workload_name: str, config: Any, args: argparse
                 f"prefix cache: {hit} of {queried} tokens looked up were cached ({hit / queried:.1%}), "
                 f"{stats.get('num_prefix_evicted_blocks', 0)} blocks evicted"
             )
+        if stats.get("num_spec_drafts"):
+            print(
+                f"speculative decoding: {stats['num_spec_drafts']} verifications, {stats['num_spec_draft_tokens']} "
+                f"tokens proposed, {stats['num_spec_accepted_tokens']} accepted (acceptance rate "
+                f"{stats['spec_acceptance_rate']:.1%}, mean acceptance length {stats['spec_mean_acceptance_length']:.2f}"
+                f" tokens per verification row), waste {stats['spec_waste_fraction']:.1%} of decode positions "
+                f"(rejected proposals); accepted per position {stats['spec_accepted_per_pos']}"
+            )
 
 
 # --- tables ------------------------------------------------------------------------------------------

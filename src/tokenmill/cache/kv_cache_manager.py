@@ -205,6 +205,25 @@ class KVCacheManager:
             request.drop_leading_blocks(num_droppable, DROPPED)
         return len(released)
 
+    def trim_to(self, request: Request, num_tokens: int) -> int:
+        """Give back the blocks wholly past the first ``num_tokens`` token slots (the slots of rejected draft
+        tokens, speculative decoding). They were allocated this step and are never in the prefix cache (only
+        blocks full of accepted tokens are registered). Under ``worst_case`` they go back into the request's
+        reservation. Returns how many were freed."""
+        if request.request_id not in self._requests:
+            return 0
+        num_keep = self.blocks_for_tokens(num_tokens)
+        tail = request.block_ids[num_keep:]
+        if not tail:
+            return 0
+        self.pool.free([b for b in tail if b != DROPPED])
+        num_reserved = request.num_reserved_blocks
+        if self.reserve == "worst_case":
+            num_reserved += len(tail)
+            self._num_reserved_unused += len(tail)
+        request.drop_trailing_blocks(num_keep, num_reserved)
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks (tail first) and its reservation. No-op if it holds none."""
         tracked = self._requests.pop(request.request_id, None)

@@ -9,8 +9,12 @@ Each engine step:
 2. ``ModelRunner.execute(scheduler_output)`` builds tensors from it, runs the model, samples one token for
    each row with ``sample=True`` (reading each request's sampling state from the engine's request table, by
    id) and returns a :class:`ModelRunnerOutput`.
+   A row with ``num_spec_tokens`` k > 0 (speculative decoding) carries the last sampled token and k proposed
+   ones; the runner samples at all k + 1 positions, keeps the proposed tokens while the target agrees (or, when
+   sampling, while rejection sampling accepts them) and returns them and the target's next token.
 3. ``Scheduler.update_from_output(scheduler_output, runner_output, now_s)`` appends the sampled tokens,
-   advances ``num_computed_tokens``, finishes requests (freeing their blocks at once: the forward that
+   advances ``num_computed_tokens`` (past the accepted tokens only: a rejected
+   token's slot is given back), finishes requests (freeing their blocks at once: the forward that
    read them is over) and returns the requests touched this step.
 """
 
@@ -42,6 +46,13 @@ class ScheduledRow:
     block_ids: list[int]  # the request's whole block table, covering start_position + len(token_ids)
     sample: bool  # True when this row's last token is the sequence's last: a new token is wanted
     is_prefill: bool  # True while computing prompt (or recomputed) tokens
+    # Speculative decoding: the last token_ids are this many proposed tokens to verify (the row samples at
+    # each of its 1 + num_spec_tokens positions; ModelRunnerOutput.verified holds what was kept)
+    num_spec_tokens: int = 0
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens :]
 
     @property
     def num_new_tokens(self) -> int:
@@ -68,6 +79,16 @@ class StepRecord:
     idle_rows: dict[IdleReason, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     admitted_ids: list[str] = field(default_factory=list)
+    # speculative decoding (filled in by update_from_output): rows with a proposal, tokens proposed, accepted,
+    # accepted at each proposal position; the rejected tokens' slots (computed, thrown away) are the waste
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def num_spec_rejected_tokens(self) -> int:
+        return self.num_spec_draft_tokens - self.num_spec_accepted_tokens
 
 
 @dataclass
@@ -96,7 +117,10 @@ class SampledToken:
 
 @dataclass
 class ModelRunnerOutput:
-    # request_id -> sampled token, for rows with sample=True
+    # request_id -> sampled token, for rows with sample=True and no proposal
     sampled: dict[str, SampledToken]
+    # request_id -> for rows with a proposal (num_spec_tokens > 0): the accepted proposed tokens, then the one
+    # the target chose after them (1 .. num_spec_tokens + 1 tokens)
+    verified: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request_id -> per prompt token [(token_id, logprob, top-k list)], only for requests that asked
     prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import SchedulerConfig
@@ -36,9 +37,19 @@ from tokenmill.core.sched_output import (
 from tokenmill.errors import OVERLOADED, STEP_FAILED, BadRequestError, ContextLengthError
 from tokenmill.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from tokenmill.core.ngram import NgramProposer
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        block_size: int,
+        proposer: NgramProposer | None = None,
+    ) -> None:
+        """``proposer``: speculative decoding's (``core/ngram.py``); a decode row then carries its proposal."""
         if block_size != kv_manager.block_size:
             raise ValueError(f"block_size {block_size} != the KV-cache manager's {kv_manager.block_size}")
         if config.reserve != kv_manager.reserve:
@@ -48,6 +59,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.block_size = block_size
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the next preemption victim
         self._requests: dict[str, Request] = {}  # every unfinished request
@@ -137,12 +149,27 @@ class Scheduler:
             num_new = min(request.num_tokens_to_compute, budget)
             assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
             self.kv.release_outside_window(request)  # a sliding window: blocks no query will read again
-            if not self._allocate_or_preempt(request, num_new, out):
+            spec = self._propose(request, budget)
+            if spec and self.kv.allocate_slots(request, 1 + len(spec)) is None:
+                spec = []  # proposed tokens never preempt anyone: without room, a plain decode row
+            if not spec and not self._allocate_or_preempt(request, num_new, out):
                 break  # it preempted itself: it was the last running request
-            out.rows.append(self._make_row(request, num_new, out.record))
-            budget -= num_new
+            out.rows.append(self._make_row(request, num_new, out.record, spec))
+            budget -= num_new + len(spec)
             i += 1
         return budget
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Speculative decoding: tokens to verify after a decoding request's last one, capped so that the
+        step's budget, max_tokens and max_model_len hold even if every one is accepted (plus the bonus token)."""
+        if self.proposer is None or request.num_output_tokens == 0 or request.num_tokens_to_compute != 1:
+            return []
+        room = min(
+            budget - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request, room) if room > 0 else []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Blocks for ``num_new`` tokens of a running request, preempting from the back of ``running``
@@ -192,7 +219,9 @@ class Scheduler:
             out.rows.append(self._make_row(request, num_new, out.record))
             budget -= num_new
 
-    def _make_row(self, request: Request, num_new: int, record: StepRecord) -> ScheduledRow:
+    def _make_row(
+        self, request: Request, num_new: int, record: StepRecord, spec: list[int] | None = None
+    ) -> ScheduledRow:
         start = request.num_computed_tokens
         end = start + num_new
         high_water = self._computed_high_water.get(request.request_id)
@@ -202,13 +231,17 @@ class Scheduler:
                 del self._computed_high_water[request.request_id]
         # A decode row computes just the last sampled token, whose KV was never computed.
         is_decode = request.num_output_tokens > 0 and start == request.num_tokens - 1
+        spec = spec or []
         return ScheduledRow(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] if not is_decode else [request.output_token_ids[-1]],
+            token_ids=request.all_token_ids[start:end]
+            if not is_decode
+            else [request.output_token_ids[-1], *spec],
             start_position=start,
             block_ids=list(request.block_ids),
             sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
             is_prefill=not is_decode,
+            num_spec_tokens=len(spec),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -251,6 +284,11 @@ class Scheduler:
                 continue
             if request.num_computed_tokens != row.start_position:
                 raise RuntimeError(f"request {request.request_id!r} changed under a scheduled row")
+            if row.num_spec_tokens:
+                if self._apply_verified(request, row, runner_output, scheduler_output.record, now_s):
+                    finished.add(request.request_id)
+                touched.append(request)
+                continue
             request.advance(row.num_new_tokens)
             self.kv.cache_full_blocks(request)  # full blocks written this step become shareable
             if not row.sample:
@@ -276,6 +314,53 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return touched
+
+    def _apply_verified(
+        self,
+        request: Request,
+        row: ScheduledRow,
+        runner_output: ModelRunnerOutput,
+        record: StepRecord,
+        now_s: float,
+    ) -> bool:
+        """A row with a proposal: append the accepted tokens and the target's next one, stopping at the first
+        stop; the computed count covers only the kept tokens' KV, the rejected tokens' blocks go back. True
+        when the request finished."""
+        tokens = runner_output.verified.get(request.request_id)
+        if not tokens or len(tokens) > row.num_spec_tokens + 1:
+            raise RuntimeError(f"runner returned no verified tokens for request {request.request_id!r}")
+        num_accepted = len(tokens) - 1
+        self._count_speculation(request, row.num_spec_tokens, num_accepted, record)
+        stop = None
+        num_kept = 0
+        for sampled in tokens:
+            wants_logprobs = sampled.logprob is not None or sampled.top_logprobs is not None
+            request.append_output_token(sampled.token_id, now_s, sampled if wants_logprobs else None)
+            num_kept += 1
+            stop = self._check_stop(request)
+            if stop is not None:
+                break  # tokens after a stop are dropped: never appended, their slots freed below
+        request.advance(num_kept)  # the KV of the row's first token and of the kept proposed ones
+        self.kv.trim_to(request, request.num_computed_tokens + 1)  # the next row's slot stays
+        self.kv.cache_full_blocks(request)
+        if stop is None:
+            return False
+        self._end(request, stop[0], stop[1], now_s, remove_running=False)
+        return True
+
+    def _count_speculation(
+        self, request: Request, num_proposed: int, num_accepted: int, record: StepRecord
+    ) -> None:
+        request.record_speculation(num_proposed, num_accepted)
+        record.num_spec_drafts += 1
+        record.num_spec_draft_tokens += num_proposed
+        record.num_spec_accepted_tokens += num_accepted
+        per_pos = record.spec_accepted_per_pos
+        per_pos.extend([0] * (num_proposed - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        if self.proposer is not None:
+            self.proposer.observe(request.request_id, num_proposed, num_accepted)
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: str, now_s: float) -> list[Request]:
         """The step's forward failed: end each of its rows' requests with ``error`` (their blocks freed).
@@ -323,9 +408,11 @@ class Scheduler:
         stop_reason: int | str | None = None,
         now_s: float | None = None,
         error: tuple[str, str] | None = None,
+        num_output_tokens: int | None = None,
     ) -> Request | None:
         """End a request from outside (stop string, abort, a grammar's end or failure): waiting, running or
-        preempted. ``error``: (kind, message) when the engine, not the caller, ends it.
+        preempted. ``error``: (kind, message) when the engine, not the caller, ends it. ``num_output_tokens``:
+        keep only that many outputs (a stop string ended the text before the step's last token).
 
         Returns the request, or None when the id is unknown or already finished (abort races are normal).
         """
@@ -336,6 +423,8 @@ class Scheduler:
             return None
         if error is not None:
             request.set_error(*error)
+        if num_output_tokens is not None:
+            request.truncate_output(num_output_tokens)
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._end(request, status, stop_reason, now_s)
@@ -354,6 +443,8 @@ class Scheduler:
         self.kv.free(request)
         del self._requests[request.request_id]
         self._computed_high_water.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if was_running and remove_running:
             self.running.remove(request)
 

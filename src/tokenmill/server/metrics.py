@@ -67,6 +67,9 @@ ENGINE_TOTALS = (
         "Steps whose forward raised (their requests ended with an error).",
         "num_failed_steps",
     ),
+    ("vllm:spec_decode_num_drafts", "Speculative verifications (rows with a proposal).", "num_spec_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", "num_spec_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", "num_spec_accepted_tokens"),
 )
 
 
@@ -76,7 +79,13 @@ def _monotonic(previous: EngineStats, new: EngineStats) -> EngineStats:
     idle = dict(previous.idle_rows_by_reason)
     for reason, n in new.idle_rows_by_reason.items():
         idle[reason] = max(idle.get(reason, 0), n)
-    return dataclasses.replace(new, idle_rows_by_reason=idle, **totals)
+    per_pos = list(new.spec_accepted_per_pos)
+    for i, n in enumerate(previous.spec_accepted_per_pos):
+        if i < len(per_pos):
+            per_pos[i] = max(per_pos[i], n)
+        else:
+            per_pos.append(n)
+    return dataclasses.replace(new, idle_rows_by_reason=idle, spec_accepted_per_pos=per_pos, **totals)
 
 
 class _EngineTotals(Collector):
@@ -99,6 +108,14 @@ class _EngineTotals(Collector):
         for reason, n in sorted(snap.idle_rows_by_reason.items()):
             idle.add_metric([name, reason], float(n))
         yield idle
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their position in the proposal (0 first).",
+            labels=["model_name", "position"],
+        )
+        for position, n in enumerate(snap.spec_accepted_per_pos):
+            per_pos.add_metric([name, str(position)], float(n))
+        yield per_pos
 
 
 class ServerMetrics:

@@ -82,14 +82,47 @@ class ModelRunner:
         query_start_loc = [0, *accumulate(row.num_new_tokens for row in rows)]
         requests = [self.requests[row.request_id] for row in rows]
         output = ModelRunnerOutput(sampled={})
-        sample_rows = [i for i, row in enumerate(rows) if row.sample]
-        if sample_rows:
-            last_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[last_index])  # [num_sample_rows, V] float32
-            sampled = self.sampler(logits, [requests[i] for i in sample_rows])
-            for i, token in zip(sample_rows, sampled, strict=True):
-                output.sampled[rows[i].request_id] = token
+        self._sample(rows, requests, hidden, query_start_loc, output)
+        self._prompt_logprobs(rows, requests, hidden, query_start_loc, output)
+        return output
 
+    def _sample(
+        self,
+        rows: list[ScheduledRow],
+        requests: list[Request],
+        hidden: torch.Tensor,
+        query_start_loc: list[int],
+        output: ModelRunnerOutput,
+    ) -> None:
+        """A token for each sampling row from its last position's logits; a row with a proposal is verified at
+        each of its 1 + num_spec_tokens positions (the sampler's ``verify``)."""
+        plain = [i for i, row in enumerate(rows) if row.sample and not row.num_spec_tokens]
+        spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens]
+        index = [query_start_loc[i + 1] - 1 for i in plain]
+        for i in spec:
+            index.extend(range(query_start_loc[i + 1] - 1 - rows[i].num_spec_tokens, query_start_loc[i + 1]))
+        if not index:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])  # [n, V] float32
+        if plain:
+            sampled = self.sampler(logits[: len(plain)], [requests[i] for i in plain])
+            for i, token in zip(plain, sampled, strict=True):
+                output.sampled[rows[i].request_id] = token
+        if spec:
+            verified = self.sampler.verify(
+                logits[len(plain) :], [requests[i] for i in spec], [rows[i].spec_token_ids for i in spec]
+            )
+            for i, tokens in zip(spec, verified, strict=True):
+                output.verified[rows[i].request_id] = tokens
+
+    def _prompt_logprobs(
+        self,
+        rows: list[ScheduledRow],
+        requests: list[Request],
+        hidden: torch.Tensor,
+        query_start_loc: list[int],
+        output: ModelRunnerOutput,
+    ) -> None:
         for i, (row, request) in enumerate(zip(rows, requests)):
             k = request.sampling_params.prompt_logprobs
             if k is None or not row.is_prefill:
@@ -108,4 +141,3 @@ class ModelRunner:
                 entries.extend(compute_prompt_logprobs(logits, targets, k))
             if entries:
                 output.prompt_logprobs[row.request_id] = entries
-        return output

@@ -18,6 +18,7 @@ Unseeded rows share one engine-wide generator, drawn in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,11 +26,56 @@ from tokenmill.core.sched_output import SampledToken
 from tokenmill.outputs import Logprob
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_outputs import apply_masks
+from tokenmill.structured_outputs import apply_masks, apply_masks_along
 
 # Below this temperature a row is greedy: dividing by it would overflow float32 for no visible difference.
 _MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
+
+
+class _RowState(Protocol):
+    """What the logit processors read of a request (a :class:`Request`, or one position of a proposal)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+
+class _Position:
+    """A request as it would stand after accepting the first ``len(extra)`` proposed tokens."""
+
+    __slots__ = ("_request", "_extra")
+
+    def __init__(self, request: Request, extra: list[int]) -> None:
+        self._request = request
+        self._extra = extra
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self._request.sampling_params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._request.output_token_ids + self._extra
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._request.num_output_tokens + len(self._extra)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._request.eos_token_ids
 
 
 class Sampler:
@@ -60,6 +106,115 @@ class Sampler:
         apply_masks(processed, [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None])
         token_ids = self._choose(processed, requests)  # (B,)
         return _package(logits, token_ids, params)
+
+    def verify(
+        self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]
+    ) -> list[list[SampledToken]]:
+        """Speculative decoding's verification. ``logits`` [sum(len(d) + 1), V]: request i's ``len(drafts[i]) + 1``
+        positions in order, position j predicting the token after the first j proposed ones. Returns, per
+        request, the accepted proposed tokens and then the target's own (1 .. len(d) + 1 tokens).
+
+        Each position's logits go through the same processing as :meth:`__call__`'s, with the state after the
+        proposed tokens before it (penalties count them, min_tokens counts them, the grammar has consumed them).
+        Greedy rows keep a proposed token while it is the argmax. Sampled rows use rejection sampling with the
+        proposal as a point mass (Leviathan et al. 2023; Chen et al. 2023): keep proposed token x with
+        probability p(x), else draw from p with x removed; all kept: draw the next from the last position's p.
+        Every emitted token is then distributed exactly as the target's own sampling would draw it."""
+        offsets = [0]
+        views: list[_RowState] = []
+        for request, draft in zip(requests, drafts, strict=True):
+            views.extend(_Position(request, draft[:j]) for j in range(len(draft) + 1))
+            offsets.append(offsets[-1] + len(draft) + 1)
+        if logits.dim() != 2 or logits.shape[0] != offsets[-1]:
+            raise RuntimeError(f"verify got logits {tuple(logits.shape)} for {offsets[-1]} positions")
+        params = [v.sampling_params for v in views]
+        processed = logits.float().clone()  # (N, V)
+        _apply_penalties(processed, views)
+        _apply_logit_bias(processed, params)
+        _apply_min_tokens(processed, views)
+        for i, request in enumerate(requests):
+            if request.grammar is not None:
+                apply_masks_along(processed[offsets[i] : offsets[i + 1]], request.grammar, drafts[i])
+        greedy = processed.argmax(dim=-1).tolist()  # (N,)
+        probs = self._probabilities(processed, params)  # row -> (V,) for the sampled rows' positions
+        emitted: list[list[int]] = []
+        for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+            first = offsets[i]
+            if request.sampling_params.temperature < _MIN_TEMPERATURE:
+                num_accepted = 0
+                while num_accepted < len(draft) and draft[num_accepted] == greedy[first + num_accepted]:
+                    num_accepted += 1
+                emitted.append([*draft[:num_accepted], greedy[first + num_accepted]])
+            else:
+                emitted.append(
+                    self._rejection_sample(request, draft, [probs[first + j] for j in range(len(draft) + 1)])
+                )
+        return self._package_verified(logits, requests, offsets, emitted)
+
+    def _probabilities(
+        self, processed: torch.Tensor, params: list[SamplingParams]
+    ) -> dict[int, torch.Tensor]:
+        """Each sampled row's distribution after temperature, top_k, top_p and min_p (as ``_choose`` draws)."""
+        rows = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
+        if not rows:
+            return {}
+        row_index = torch.tensor(rows, device=processed.device)
+        temperature = torch.tensor([params[i].temperature for i in rows], device=processed.device)
+        x = processed.index_select(0, row_index).div_(temperature.unsqueeze(1))  # (S, V)
+        probs = torch.softmax(_truncate(x, [params[i] for i in rows]), dim=-1)
+        return {row: probs[j] for j, row in enumerate(rows)}
+
+    def _rejection_sample(self, request: Request, draft: list[int], probs: list[torch.Tensor]) -> list[int]:
+        out: list[int] = []
+        for j, token in enumerate(draft):
+            generator = self._position_generator(request, j, probs[j].device)
+            u = torch.rand((), generator=generator, device=probs[j].device).item()
+            if u < probs[j][token].item():
+                out.append(token)
+                continue
+            residual = probs[j].clone()
+            residual[token] = 0.0
+            out.append(_race(residual, generator))
+            return out
+        generator = self._position_generator(request, len(draft), probs[-1].device)
+        out.append(_race(probs[-1], generator))
+        return out
+
+    def _position_generator(self, request: Request, j: int, device: torch.device) -> torch.Generator:
+        """The generator for output position ``num_output_tokens + j``: seeded per position for a seeded request
+        (stateless, as in ``_exponential_noise``), else the engine-wide one."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._shared_generator(device)
+        generator = self._per_row.get(device)
+        if generator is None:
+            generator = self._per_row[device] = torch.Generator(device)
+        generator.manual_seed(_mix_seed(seed, request.num_output_tokens + j))
+        return generator
+
+    def _package_verified(
+        self, raw_logits: torch.Tensor, requests: list[Request], offsets: list[int], emitted: list[list[int]]
+    ) -> list[list[SampledToken]]:
+        out = [[SampledToken(token_id=t) for t in tokens] for tokens in emitted]
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not wanted:
+            return out
+        rows = [offsets[i] + j for i in wanted for j in range(len(emitted[i]))]
+        targets = [t for i in wanted for t in emitted[i]]
+        device = raw_logits.device
+        max_k = max(requests[i].sampling_params.logprobs or 0 for i in wanted)
+        chosen, top = _logprobs(
+            raw_logits.index_select(0, torch.tensor(rows, device=device)),
+            torch.tensor(targets, device=device),
+            max_k,
+        )
+        n = 0
+        for i in wanted:
+            k = requests[i].sampling_params.logprobs or 0
+            for token in out[i]:
+                token.logprob, token.top_logprobs = chosen[n], top[n][:k]
+                n += 1
+        return out
 
     # --- choosing -----------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -111,8 +266,16 @@ class Sampler:
         return generator
 
 
+def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from ``probs`` (V,), unnormalised: the exponential race, argmax(p / E)."""
+    noise = (
+        torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    )
+    return int((probs / noise).argmax().item())
+
+
 # --- logit processing (in place on the (B, V) float32 copy) -------------------------------------
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[_RowState]) -> None:
     """Repetition penalty over prompt + output (positive logits divided, negative multiplied);
     frequency (per occurrence) and presence (once) penalties over output tokens, as OpenAI defines them."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
@@ -170,7 +333,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> Non
         logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
 
 
-def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[_RowState]) -> None:
     """Below ``min_tokens`` outputs, EOS and stop tokens cannot be chosen (with ignore_eos too)."""
     vocab = logits.shape[1]
     rows: list[int] = []

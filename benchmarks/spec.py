@@ -1,0 +1,210 @@
+"""Speculative decoding against plain decoding, on three kinds of work and on random tokens.
+
+    python -m benchmarks.spec --model qwen2.5-coder-1.5b-instruct [--concurrency 1,8] [--methods off,ngram]
+
+Workloads (``--workloads``; prompts through the model's chat template, greedy, ``max_tokens`` each):
+
+- ``edit``: a function in the prompt, "add type hints and a docstring" (input-grounded: the answer copies it);
+- ``summary``: a passage and "summarise it, quoting its key sentences" (partly grounded);
+- ``open``: "write a function that ..." with nothing to copy (open-ended code generation);
+- ``random``: random token ids, no template (nothing matches: the cost of speculating for nothing).
+
+At concurrency c the first c prompts of a workload run together (one ``generate`` call); the model is loaded
+once and each method gets its own engine on it, warmed up untimed. Per (workload, concurrency, method): wall
+time, output tokens/s, the speed-up over ``off`` in the same run, the share of outputs identical to ``off``'s,
+and speculation's counts: acceptance rate (accepted / proposed tokens), mean acceptance length (tokens per
+verification row: 1 + accepted / verifications) and the waste (decode positions computed for rejected tokens).
+Times are this machine's; the counts hold anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+FUNCTIONS = [
+    "def fib(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in range(n - 1):\n"
+    "        a, b = b, a + b\n    return b\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
+    "        if n % d == 0:\n            return False\n    return True\n",
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n",
+    "def word_counts(text):\n    counts = {}\n    for word in text.lower().split():\n"
+    "        word = word.strip('.,;:!?')\n        if word:\n            counts[word] = counts.get(word, 0) + 1\n"
+    "    return counts\n",
+    "def flatten(items):\n    result = []\n    for item in items:\n        if isinstance(item, list):\n"
+    "            result.extend(flatten(item))\n        else:\n            result.append(item)\n    return result\n",
+    "def binary_search(values, target):\n    lo, hi = 0, len(values) - 1\n    while lo <= hi:\n"
+    "        mid = (lo + hi) // 2\n        if values[mid] == target:\n            return mid\n"
+    "        if values[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n    return -1\n",
+    "def chunk(seq, size):\n    if size <= 0:\n        raise ValueError('size must be positive')\n"
+    "    return [seq[i:i + size] for i in range(0, len(seq), size)]\n",
+    "def parse_kv(line):\n    result = {}\n    for part in line.split(';'):\n        if '=' not in part:\n"
+    "            continue\n        key, value = part.split('=', 1)\n        result[key.strip()] = value.strip()\n"
+    "    return result\n",
+]
+PASSAGES = [
+    "The lighthouse on the northern cape was built in 1871 from granite quarried two miles inland. Its lamp "
+    "burned whale oil until 1902, when a kerosene burner replaced it, and electricity arrived only in 1956. "
+    "The keepers kept a log of every ship that passed, and the logs survive in the town library. In the storm "
+    "of 1923 the keeper's daughter rowed out alone to reach a stranded schooner, and all nine sailors lived. "
+    "The light was automated in 1988, and the keeper's house is now a small museum open in the summer.",
+    "Sourdough bread rises because of a culture of wild yeast and lactic acid bacteria. The yeast produces "
+    "carbon dioxide, which forms the bubbles in the crumb, while the bacteria produce acids that give the "
+    "bread its sour taste and help it keep. A starter must be fed with flour and water every day or two. "
+    "Bakers judge a starter ready when it doubles in volume within a few hours of feeding. Long, cool "
+    "fermentation develops more flavour than a short, warm one.",
+]
+OPEN_TASKS = [
+    "Write a Python function that validates an email address with a regular expression.",
+    "Write a Python class for a fixed-size ring buffer with push, pop and len.",
+    "Write a Python function that converts a Roman numeral to an integer.",
+    "Write a Python function that returns the n most common words in a file.",
+    "Write a Python function that computes the Levenshtein distance of two strings.",
+    "Write a Python function that parses a CSV line with quoted fields.",
+    "Write a Python function that checks whether a string of brackets is balanced.",
+    "Write a Python function that rotates a square matrix by 90 degrees.",
+]
+
+
+def chat_prompts(kind: str) -> list[list[dict[str, str]]]:
+    if kind == "edit":
+        return [
+            [
+                {
+                    "role": "user",
+                    "content": f"Add type hints and a docstring to this function:\n```python\n{f}```",
+                }
+            ]
+            for f in FUNCTIONS
+        ]
+    if kind == "summary":
+        return [
+            [
+                {
+                    "role": "user",
+                    "content": f"Summarise this passage, quoting its key sentences exactly:\n\n{p}",
+                }
+            ]
+            for p in PASSAGES * 4
+        ]
+    if kind == "open":
+        return [[{"role": "user", "content": task}] for task in OPEN_TASKS]
+    raise ValueError(kind)
+
+
+def build_prompts(engine: Any, kind: str, n: int, seed: int = 0) -> list[list[int]]:
+    if kind == "random":
+        rng = random.Random(seed)
+        vocab = engine.tokenizer.vocab_size
+        return [[rng.randrange(vocab) for _ in range(256)] for _ in range(n)]
+    return [engine.tokenizer.encode_chat(m) for m in chat_prompts(kind)[:n]]
+
+
+def run_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    before = engine.stats.totals()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed_s = time.perf_counter() - start
+    after = engine.stats
+    drafts = after.num_spec_drafts - before.num_spec_drafts
+    proposed = after.num_spec_draft_tokens - before.num_spec_draft_tokens
+    accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+    decode = after.num_decode_tokens - before.num_decode_tokens
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "time_s": elapsed_s,
+        "num_output_tokens": num_tokens,
+        "output_tps": num_tokens / elapsed_s,
+        "iterations": after.num_iterations - before.num_iterations,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "waste_fraction": (proposed - accepted) / decode if decode else 0.0,
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--workloads", default="edit,summary,open,random")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--methods", default="off,ngram")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from tokenmill.engine import Engine
+    from tokenmill.model.loader import load_model
+    from tokenmill.system_info import collect, one_line
+
+    loaded = load_model(args.model)
+    engines = {}
+    for method in args.methods.split(","):
+        spec = (
+            None
+            if method == "off"
+            else {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+        )
+        engines[method] = Engine(
+            loaded=loaded, model=args.model, speculative_config=spec, max_num_batched_tokens=2048
+        )
+    warm = build_prompts(engines["off"], "open", 1)
+    for engine in engines.values():
+        run_one(engine, warm, 8)
+    machine = one_line(collect())
+    print(f"# {loaded.source} | {machine} | python {platform.python_version()}")
+    header = (
+        "| workload | conc | method | time s | tok/s | speed-up | same as off | accept | mean len | waste |"
+    )
+    print(header)
+    print("| --- " * 10 + "|")
+    rows = []
+    for kind in args.workloads.split(","):
+        for conc in (int(c) for c in args.concurrency.split(",")):
+            base: dict[str, Any] | None = None
+            for method, engine in engines.items():
+                prompts = build_prompts(engine, kind, conc)
+                r = run_one(engine, prompts, args.max_tokens)
+                if method == "off" or base is None:
+                    base = r
+                same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"])) / len(prompts)
+                speedup = r["output_tps"] / base["output_tps"]
+                fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+                print(
+                    f"| {kind} | {conc} | {method} | {r['time_s']:.2f} | {r['output_tps']:.2f} | {speedup:.2f}x | "
+                    f"{same:.0%} | {fmt(r['acceptance_rate'])} | {fmt(r['mean_acceptance_length'])} | "
+                    f"{r['waste_fraction']:.2f} |",
+                    flush=True,
+                )
+                rows.append(
+                    {
+                        "workload": kind,
+                        "concurrency": conc,
+                        "method": method,
+                        "speedup": speedup,
+                        "same_as_off": same,
+                        **{k: v for k, v in r.items() if k != "token_ids"},
+                    }
+                )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps({"model": loaded.source, "machine": machine, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

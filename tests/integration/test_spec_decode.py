@@ -1,0 +1,171 @@
+"""Speculative decoding (n-gram prompt lookup) on the embedded model: greedy outputs identical to plain
+decoding's, through stop strings, stop tokens, max_tokens, logprobs, structured outputs, a pool tight enough
+to preempt, prefix caching and the server's streaming; its counts in the stats and in /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.sampling_params import StructuredOutputsParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+CODE = (
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n"
+)
+
+
+def _chat(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module")
+def engines(make_engine):
+    return make_engine(), make_engine(speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def prompts(engines):
+    plain = engines[0]
+    tokenize = plain.tokenizer.encode
+    return [
+        _chat(plain, f"Add type hints to this function:\n```python\n{CODE}```"),
+        tokenize("the quick brown fox jumps over the lazy dog. " * 3),  # the model keeps repeating it
+        _chat(
+            plain, "Copy this text exactly: 'The lighthouse was built in 1871 from granite quarried inland.'"
+        ),
+        _chat(plain, "What is the capital of France?"),
+    ]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_outputs_are_identical_and_proposals_are_accepted(engines, prompts) -> None:
+    plain, spec = engines
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    before = spec.stats.totals()
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert _ids(got) == _ids(want)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    stats = spec.stats
+    accepted = stats.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+    drafts = stats.num_spec_drafts - before.num_spec_drafts
+    assert accepted > 20 and drafts > 5  # the code and the repeated sentence are copied
+    assert sum(stats.spec_accepted_per_pos) == stats.num_spec_accepted_tokens
+    assert stats.spec_accepted_per_pos == sorted(stats.spec_accepted_per_pos, reverse=True)  # j+1 needs j
+    assert 1.0 < stats.spec_mean_acceptance_length <= 5.0
+    assert spec.num_free_blocks == spec.num_total_blocks  # every block back, rejected tokens' included
+
+
+def test_stops_and_lengths_never_overshoot(engines, prompts) -> None:
+    plain, spec = engines
+    full = plain.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=80))
+    for output in full:
+        ids, text = output.outputs[0].token_ids, output.outputs[0].text
+        stop_text = text[len(text) // 2 : len(text) // 2 + 6]
+        for params in (
+            SamplingParams(temperature=0.0, max_tokens=80, stop=[stop_text]),
+            SamplingParams(temperature=0.0, max_tokens=80, stop=[stop_text], include_stop_str_in_output=True),
+            SamplingParams(temperature=0.0, max_tokens=80, stop_token_ids=[ids[len(ids) // 2]]),
+            *(SamplingParams(temperature=0.0, max_tokens=n) for n in (1, 2, 5, 13)),
+        ):
+            want = plain.generate([output.prompt_token_ids], params)[0].outputs[0]
+            got = spec.generate([output.prompt_token_ids], params)[0].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+                want.token_ids,
+                want.text,
+                want.finish_reason,
+                want.stop_reason,
+            ), params
+    assert spec.num_free_blocks == spec.num_total_blocks
+
+
+def test_logprobs_for_every_emitted_token(engines, prompts) -> None:
+    plain, spec = engines
+    params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=3)
+    want, got = plain.generate(prompts[:2], params), spec.generate(prompts[:2], params)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.outputs[0].logprobs) == len(g.outputs[0].token_ids)
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert lg.token_id == lw.token_id
+            assert lg.logprob == pytest.approx(lw.logprob, abs=2e-3)
+            assert [t for t, _ in lg.top_logprobs] == [t for t, _ in lw.top_logprobs]
+
+
+def test_structured_outputs_with_proposals(engines) -> None:
+    plain, spec = engines
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        },
+        "required": ["name", "tags"],
+    }
+    prompt = _chat(
+        plain, 'Give JSON for the fox: {"name": "fox", "tags": ["quick", "brown", "quick", "brown"]}'
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    value = json.loads(got.outputs[0].text)
+    assert set(value) == {"name", "tags"}
+
+
+def test_preemption_and_prefix_caching_with_proposals(make_engine, engines, prompts) -> None:
+    plain = engines[0]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    batch = [prompts[0], prompts[1], prompts[0], prompts[1], prompts[2], prompts[0]]
+    want = _ids(plain.generate(batch, params))
+    tight = make_engine(speculative_config=SPEC, num_kv_blocks=30)
+    got = _ids(tight.generate(batch, params))
+    assert got == want
+    assert tight.stats.num_preemptions > 0
+    assert tight.stats.num_prefix_hit_tokens > 0
+    assert tight.stats.num_spec_accepted_tokens > 0
+    assert tight.num_free_blocks == tight.num_total_blocks
+    tight.check_integrity()
+
+
+def test_server_streams_and_exports_the_counts() -> None:
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from serverproc import ServerProcess
+
+    proc = ServerProcess("--max-model-len", "1024", "--speculative-config", json.dumps(SPEC)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": f"Add type hints to this function:\n```python\n{CODE}```"}]
+        model = "SmolLM2-135M-Instruct"
+        full = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=64)
+        pieces = []
+        for chunk in client.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=64, stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+        assert "".join(pieces) == full.choices[0].message.content
+        text = httpx.get(f"{proc.base_url}/metrics", timeout=5.0).text
+    finally:
+        proc.stop()
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    drafts = samples[("vllm:spec_decode_num_drafts_total", None)]
+    proposed = samples[("vllm:spec_decode_num_draft_tokens_total", None)]
+    accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
+    assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
+    assert sum(per_pos) == accepted

@@ -1,0 +1,240 @@
+"""Speculative decoding's parts without a model: the config, the n-gram proposer, the sampler's verification
+(greedy and rejection sampling, checked against float64 softmax with a chi-square test) and the KV trim."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from tokenmill.cache.kv_cache_manager import KVCacheManager
+from tokenmill.config import CacheConfig, EngineConfig, SpeculativeConfig
+from tokenmill.core.ngram import NgramProposer
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.sampler import Sampler
+
+# --- config ---------------------------------------------------------------------------------------
+
+
+def test_config_parses_vllm_dicts() -> None:
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert config.speculative_config == SpeculativeConfig("ngram", 3, 2, 4)
+    # one end given alone moves the other when it must (vLLM sets both)
+    assert SpeculativeConfig.parse({"prompt_lookup_min": 6}) == SpeculativeConfig("ngram", 4, 6, 6)
+    assert SpeculativeConfig.parse({"prompt_lookup_max": 1}) == SpeculativeConfig("ngram", 4, 1, 1)
+    assert EngineConfig().speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "eagle"}, "method must be one of"),
+        ({"method": "draft_model", "model": "x"}, "not implemented"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+        ({"num_lookahead": 2}, "unknown key"),
+        ({"model": "x"}, "only for method 'draft_model'"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_config_refuses_what_it_does_not_do(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=value)
+
+
+# --- the n-gram proposer ----------------------------------------------------------------------------
+
+
+def _request(prompt: list[int], output: list[int] = (), **params: Any) -> Request:  # type: ignore[assignment]
+    r = Request("r", list(prompt), SamplingParams(**params))
+    r.output_token_ids = list(output)
+    return r
+
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match() -> None:
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    )
+    # suffix [7, 8, 9] occurred at 1..3 followed by 10, 11, 12; [8, 9] alone also at 6..7 followed by 99
+    r = _request([1, 7, 8, 9, 10, 11, 12, 8, 9, 99, 5], [7, 8, 9])
+    assert proposer.propose(r, 10) == [10, 11, 12]
+    assert proposer.propose(r, 2) == [10, 11]  # capped by the scheduler's room
+    assert proposer.propose(r, 0) == []
+
+
+def test_ngram_prefers_the_most_recent_occurrence_and_respects_min() -> None:
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2, prompt_lookup_max=2)
+    )
+    r = _request([4, 5, 1, 2, 4, 5, 3, 6], [4, 5])
+    assert proposer.propose(r, 5) == [3, 6]  # the later [4, 5] is followed by 3, 6
+    lone = _request([1, 2, 3, 9], [3])  # only a 1-gram repeats: below prompt_lookup_min
+    assert NgramProposer(SpeculativeConfig(prompt_lookup_min=2)).propose(lone, 5) == []
+
+
+def test_ngram_index_grows_with_the_output() -> None:
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    )
+    r = _request([10, 11, 12, 13, 14, 15])
+    assert proposer.propose(r, 4) == []
+    r.output_token_ids.extend([10, 11])  # the answer starts copying the prompt
+    assert proposer.propose(r, 4) == [12, 13, 14, 15]
+    r.output_token_ids.extend([12, 13, 14, 15, 10, 11, 12])  # and repeats: the latest occurrence wins
+    assert proposer.propose(r, 4) == [13, 14, 15, 10]
+
+
+def test_ngram_backs_off_after_rejections_and_resets_on_acceptance() -> None:
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1)
+    )
+    r = _request([3, 4, 3])
+    assert proposer.propose(r, 2) == [4, 3]
+    proposer.observe("r", 2, 0)  # rejected outright: 2 steps without proposals
+    assert [proposer.propose(r, 2) for _ in range(3)] == [[], [], [4, 3]]
+    proposer.observe("r", 2, 0)  # twice in a row: 4 steps
+    assert [proposer.propose(r, 2) for _ in range(5)] == [[], [], [], [], [4, 3]]
+    proposer.observe("r", 2, 1)  # an accepted token ends the back-off
+    assert proposer.propose(r, 2) == [4, 3]
+    proposer.forget("r")
+    assert proposer._state == {}
+
+
+def test_ngram_cuts_a_proposal_at_what_the_grammar_refuses() -> None:
+    class Grammar:
+        def validate_tokens(self, tokens: list[int]) -> int:
+            return tokens.index(99) if 99 in tokens else len(tokens)
+
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)
+    )
+    r = _request([5, 6, 99, 7, 5])
+    r.grammar = Grammar()
+    assert proposer.propose(r, 4) == [6]
+
+
+# --- verification -------------------------------------------------------------------------------
+
+
+def _seq(name: str, output: list[int] = (), **params: Any) -> Request:  # type: ignore[assignment]
+    r = Request(name, [1, 2, 3], SamplingParams(**params), eos_token_ids=frozenset({0}))
+    r.output_token_ids = list(output)
+    return r
+
+
+def test_greedy_verification_keeps_the_argmax_chain() -> None:
+    vocab = 8
+    logits = torch.full((4, vocab), -5.0)
+    for row, best in enumerate([4, 5, 2, 7]):  # the target's argmax at each of 4 positions
+        logits[row, best] = 5.0
+    sampler = Sampler()
+    r = _seq("a", [3], temperature=0.0)
+    assert [t.token_id for t in sampler.verify(logits, [r], [[4, 5, 2]])[0]] == [4, 5, 2, 7]  # all + bonus
+    assert [t.token_id for t in sampler.verify(logits, [r], [[4, 6, 2]])[0]] == [4, 5]  # cut at the mismatch
+    assert [t.token_id for t in sampler.verify(logits, [r], [[1, 5, 2]])[0]] == [4]
+    assert [t.token_id for t in sampler.verify(logits[:1], [r], [[]])[0]] == [4]
+
+
+def test_verification_applies_each_positions_processing() -> None:
+    """Position j sees the proposed tokens before it: a repetition penalty counts them, min_tokens too, and
+    logprobs are the raw distribution's at each emitted token's own position."""
+    vocab = 8
+    logits = torch.zeros((3, vocab))
+    logits[:, 6] = 2.0  # 6 is best everywhere, 5 a close second
+    logits[:, 5] = 1.9
+    r = _seq("a", [1], temperature=0.0, repetition_penalty=2.0, logprobs=2)
+    out = Sampler().verify(logits, [r], [[6, 6]])[0]
+    # position 1 has 6 in its output so far: penalised to 1.0 < 1.9, so 5 wins there and the second 6 is cut
+    assert [t.token_id for t in out] == [6, 5]
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert out[0].logprob == pytest.approx(float(raw[0, 6]), abs=1e-5)
+    assert out[1].logprob == pytest.approx(float(raw[1, 5]), abs=1e-5)
+    assert [tok for tok, _ in out[1].top_logprobs] == [6, 5]
+    eos_late = _seq("b", [], temperature=0.0, min_tokens=2)
+    logits = torch.zeros((3, vocab))
+    logits[:, 0] = 9.0  # EOS is the argmax, but not before two tokens
+    logits[:, 3] = 1.0
+    assert [t.token_id for t in Sampler().verify(logits, [eos_late], [[3, 3]])[0]] == [3, 3, 0]
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 4}])
+def test_rejection_sampling_draws_the_targets_distribution(params: dict[str, Any]) -> None:
+    """The first emitted token, and the second one when the first proposal was accepted, are distributed as the
+    target's own distributions at those positions (float64 softmax of the processed logits), whatever the
+    proposal: a likely one, an unlikely one, one the target excludes."""
+    vocab = 6
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn((2, vocab), generator=gen, dtype=torch.float64)  # positions 0 and 1
+    temperature = params["temperature"]
+
+    def target(row: int) -> list[float]:
+        x = base[row] / temperature
+        if "top_k" in params:
+            keep = x.topk(params["top_k"]).indices
+            x = torch.full_like(x, -math.inf).scatter(0, keep, x[keep])
+        return torch.softmax(x, dim=-1).tolist()
+
+    p0, p1 = target(0), target(1)
+    sampler = Sampler(seed=1)
+    n = 6000
+    for proposal in (int(torch.tensor(p0).argmax()), int(torch.tensor(p0).argmin())):
+        requests = [_seq(f"r{i}", [5], **params) for i in range(n)]
+        logits = base.float().repeat(n, 1)  # each request's two positions
+        outs = sampler.verify(logits, requests, [[proposal] for _ in range(n)])
+        first = [0] * vocab
+        second = [0] * vocab
+        for out in outs:
+            first[out[0].token_id] += 1
+            if len(out) == 2:
+                assert out[0].token_id == proposal
+                second[out[1].token_id] += 1
+        # df <= 5: P(chi2 > 25) < 2e-4
+        assert _chi_square(first, p0) < 25, (first, p0)
+        if sum(second) > 500:
+            assert _chi_square(second, p1) < 25, (second, p1)
+        if p0[proposal] == 0:
+            assert first[proposal] == 0
+
+
+def test_seeded_verification_is_reproducible() -> None:
+    logits = torch.randn((3, 50), generator=torch.Generator().manual_seed(3))
+    draws = [
+        [
+            t.token_id
+            for t in Sampler(seed=s).verify(logits, [_seq("a", [1], temperature=1.0, seed=7)], [[4, 9]])[0]
+        ]
+        for s in (0, 1)
+    ]
+    assert draws[0] == draws[1]  # the request's seed decides, not the engine's
+
+
+# --- the KV trim --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reserve", ["none", "worst_case"])
+def test_trim_gives_back_the_rejected_tokens_blocks(reserve: str) -> None:
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=10), reserve, enable_caching=True)  # type: ignore[arg-type]
+    r = Request("r", list(range(6)), SamplingParams(max_tokens=20))
+    assert kv.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 6
+    r.output_token_ids = [50]
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots(r, 1 + 5) is not None  # the last token and 5 proposed: slots 6..11
+    assert len(r.block_ids) == 3
+    r.output_token_ids += [51]  # one proposed token accepted, plus the bonus token
+    r.num_computed_tokens = 8
+    assert kv.trim_to(r, r.num_computed_tokens + 1) == 0  # slot 8 is in block 2: nothing wholly past it
+    r.num_computed_tokens = 7
+    assert kv.trim_to(r, 8) == 1
+    assert len(r.block_ids) == 2 and kv.num_free_blocks == free_before
+    kv.check_integrity()
+    kv.free(r)
+    assert kv.num_free_blocks == 10
