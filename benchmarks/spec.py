@@ -7,7 +7,10 @@ Workloads (``--workloads``; prompts through the model's chat template, greedy, `
 - ``edit``: a function in the prompt, "add type hints and a docstring" (input-grounded: the answer copies it);
 - ``summary``: a passage and "summarise it, quoting its key sentences" (partly grounded);
 - ``open``: "write a function that ..." with nothing to copy (open-ended code generation);
-- ``random``: random token ids, no template (nothing matches: the cost of speculating for nothing).
+- ``random``: random token ids, no template (little to match: the cost of speculating for nothing; the 1.5B's
+  greedy answer to noise often repeats itself, which prompt lookup then catches).
+
+Methods: ``off``, ``ngram`` (prompt lookup), ``draft_model`` (``--draft-model NAME``, e.g. the 0.5B for the 1.5B).
 
 At concurrency c the first c prompts of a workload run together (one ``generate`` call); the model is loaded
 once and each method gets its own engine on it, warmed up untimed. Per (workload, concurrency, method): wall
@@ -140,9 +143,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--workloads", default="edit,summary,open,random")
     parser.add_argument("--concurrency", default="1,8")
-    parser.add_argument("--methods", default="off,ngram")
+    parser.add_argument(
+        "--methods", default="off,ngram", help="off, ngram, draft_model (needs --draft-model)"
+    )
+    parser.add_argument("--draft-model", default=None, help="the draft model for method draft_model")
+    parser.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="speculative_config's (default 4)"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--quantization", default=None, help="the engine's (default: gguf, the exact path)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -150,14 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     from tokenmill.model.loader import load_model
     from tokenmill.system_info import collect, one_line
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization=args.quantization)
     engines = {}
     for method in args.methods.split(","):
-        spec = (
-            None
-            if method == "off"
-            else {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
-        )
+        spec: dict[str, Any] | None = None
+        if method != "off":
+            spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+            if method == "draft_model":
+                spec["model"] = args.draft_model
+            if args.disable_by_batch_size is not None:
+                spec["disable_by_batch_size"] = args.disable_by_batch_size
         engines[method] = Engine(
             loaded=loaded, model=args.model, speculative_config=spec, max_num_batched_tokens=2048
         )

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
-from tokenmill.config import DEFAULT_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import (
+    DEFAULT_BATCHED_TOKENS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.detokenizer import IncrementalDetokenizer
@@ -99,6 +105,7 @@ class Engine:
         self.generation_defaults = resolve(config.generation_config, loaded.source)
         self.model_name = _model_name(loaded.source)
         self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
+        self.draft = self._load_draft()
         self._size_kv_pool()
         self._build_scheduler()
         self.tp_group: Any = None
@@ -116,6 +123,7 @@ class Engine:
             self._requests,
             seed=config.seed,
             tp_group=self.tp_group,
+            draft=self.draft,
         )
         self.stats = EngineStats()
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
@@ -140,6 +148,8 @@ class Engine:
                 num_attention_heads=(k1 - k0) * kv_config.num_queries_per_kv,
             )
         bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, self.loaded.dtype)
+        if self.draft is not None:  # the draft's KV: its own tensors, the same blocks
+            bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.draft.dtype)
         self.num_total_blocks = config.num_kv_blocks or self._blocks_from_budget(bytes_per_block)
         self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
         logger.info(
@@ -169,11 +179,54 @@ class Engine:
             sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
         )
         proposer = None
-        if config.speculative_config is not None:
-            from tokenmill.core.ngram import NgramProposer
+        spec = config.speculative_config
+        if isinstance(spec, SpeculativeConfig):
+            from tokenmill.core.proposers import DraftSlots, NgramProposer
 
-            proposer = NgramProposer(config.speculative_config)  # type: ignore[arg-type]
+            proposer = NgramProposer(spec) if spec.method == "ngram" else DraftSlots(spec)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size, proposer)
+
+    def _load_draft(self) -> Any:
+        """Speculative decoding's draft model (method "draft_model"), refused unless its vocabulary is the target's."""
+        import torch
+
+        spec = self.config.speculative_config
+        if not isinstance(spec, SpeculativeConfig) or spec.method != "draft_model":
+            return None
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: method 'draft_model' does not run with tensor_parallel_size > 1"
+            )
+        windows = {self.loaded.config.layer_window(i) for i in range(self.loaded.config.num_hidden_layers)}
+        if windows != {None}:
+            raise ValueError(
+                "speculative_config: method 'draft_model' does not run on a sliding-window model"
+            )
+        from tokenmill.model.loader import load_model
+        from tokenmill.models import resolve
+        from tokenmill.worker.drafter import check_same_vocabulary
+
+        # A draft's arithmetic needs no exactness (the target verifies every token): a quantized GGUF on CPU takes
+        # the faster 8-bit-activation path, which halves the draft's catch-up on a prompt.
+        path = resolve(str(spec.model))
+        on_cpu = self.loaded.device.type == "cpu" and self.loaded.dtype == torch.float32
+        draft = None
+        if on_cpu and path.endswith(".gguf"):
+            try:
+                draft = load_model(
+                    path, device=self.config.device, dtype=self.config.dtype, quantization="gguf-q8"
+                )
+            except ValueError:  # no C++ kernels, or nothing quantized in it: the default path
+                draft = None
+        if draft is None:
+            draft = load_model(path, device=self.config.device, dtype=self.config.dtype)
+        check_same_vocabulary(self.loaded, draft)
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"speculative_config.model {spec.model!r} holds {draft.config.max_position_embeddings} positions, "
+                f"fewer than max_model_len ({self.max_model_len})"
+            )
+        return draft
 
     def _blocks_from_budget(self, bytes_per_block: int) -> int:
         budget = self.config.kv_cache_memory_bytes

@@ -11,7 +11,14 @@ import pytest
 from tokenmill import SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# disable_by_batch_size 0: proposals at every batch size, so the batched tests verify them too
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "disable_by_batch_size": 0,
+}
 CODE = (
     "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
     "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
@@ -169,3 +176,58 @@ def test_server_streams_and_exports_the_counts() -> None:
     assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed
     per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
     assert sum(per_pos) == accepted
+
+
+# --- draft model: the embedded model drafting for itself (the same vocabulary, greedy drafts it agrees with) ----
+@pytest.fixture(scope="module")
+def drafting(make_engine, embedded_loaded):
+    spec = {"method": "draft_model", "model": embedded_loaded.source, "num_speculative_tokens": 3}
+    return make_engine(speculative_config={**spec, "disable_by_batch_size": 0})
+
+
+def test_draft_model_outputs_are_identical(engines, drafting, prompts) -> None:
+    plain = engines[0]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    want, got = plain.generate(prompts, params), drafting.generate(prompts, params)
+    assert _ids(got) == _ids(want)
+    stats = drafting.stats
+    assert stats.num_spec_drafts > 10
+    # a model drafting for itself is right nearly always (rows of 1 and of 4 tokens round a little differently)
+    assert stats.spec_acceptance_rate > 0.9
+    assert drafting.num_free_blocks == drafting.num_total_blocks
+
+
+def test_draft_model_under_preemption_and_with_stops(make_engine, engines, embedded_loaded, prompts) -> None:
+    plain = engines[0]
+    spec = {
+        "method": "draft_model",
+        "model": embedded_loaded.source,
+        "num_speculative_tokens": 4,
+        "disable_by_batch_size": 0,
+    }
+    tight = make_engine(speculative_config=spec, num_kv_blocks=30)
+    batch = [prompts[0], prompts[1], prompts[3], prompts[0], prompts[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    assert _ids(tight.generate(batch, params)) == _ids(plain.generate(batch, params))
+    assert tight.stats.num_preemptions > 0 and tight.stats.num_spec_accepted_tokens > 0
+    assert tight.num_free_blocks == tight.num_total_blocks
+    stop = SamplingParams(temperature=0.0, max_tokens=40, stop=["fox"])
+    assert [o.outputs[0].text for o in tight.generate(prompts[1:2], stop)] == [
+        o.outputs[0].text for o in plain.generate(prompts[1:2], stop)
+    ]
+
+
+def test_a_draft_with_another_vocabulary_is_refused(engines) -> None:
+    from types import SimpleNamespace
+
+    from tokenmill.worker.drafter import check_same_vocabulary
+
+    target = engines[0].loaded
+    other = SimpleNamespace(
+        tokenizer=SimpleNamespace(vocab_size=target.tokenizer.vocab_size, id_to_token=lambda i: f"<{i}>"),
+        config=target.config,
+        source="other.gguf",
+    )
+    with pytest.raises(ValueError, match="vocabulary differs"):
+        check_same_vocabulary(target, other)  # type: ignore[arg-type]
+    check_same_vocabulary(target, target)

@@ -69,7 +69,7 @@ class FakeProposer:
         self.forgotten: set[str] = set()
         self.num_proposed = 0
 
-    def propose(self, request: Request, max_num_tokens: int) -> list[int]:
+    def propose(self, request: Request, max_num_tokens: int, num_running: int) -> list[int]:
         assert max_num_tokens >= 1
         n = min(max_num_tokens, 1 + zlib.crc32(f"n{request.request_id}:{request.num_tokens}".encode()) % 4)
         out = []

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
-from tokenmill.config import CacheConfig, EngineConfig, SpeculativeConfig
-from tokenmill.core.ngram import NgramProposer
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.core.proposers import DRAFT_PLACEHOLDER, DraftSlots, NgramProposer
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.sampler import Sampler
@@ -21,10 +22,17 @@ from tokenmill.worker.sampler import Sampler
 
 def test_config_parses_vllm_dicts() -> None:
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert config.speculative_config == SpeculativeConfig("ngram", 3, 2, 4)
+    assert config.speculative_config == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4
+    )
     # one end given alone moves the other when it must (vLLM sets both)
-    assert SpeculativeConfig.parse({"prompt_lookup_min": 6}) == SpeculativeConfig("ngram", 4, 6, 6)
-    assert SpeculativeConfig.parse({"prompt_lookup_max": 1}) == SpeculativeConfig("ngram", 4, 1, 1)
+    assert SpeculativeConfig.parse({"prompt_lookup_min": 6}) == SpeculativeConfig(
+        prompt_lookup_min=6, prompt_lookup_max=6
+    )
+    assert SpeculativeConfig.parse({"prompt_lookup_max": 1}) == SpeculativeConfig(
+        prompt_lookup_min=1, prompt_lookup_max=1
+    )
+    assert SpeculativeConfig.parse({"disable_by_batch_size": 0}).disable_by_batch_size == 0
     assert EngineConfig().speculative_config is None
 
 
@@ -32,10 +40,11 @@ def test_config_parses_vllm_dicts() -> None:
     ("value", "message"),
     [
         ({"method": "eagle"}, "method must be one of"),
-        ({"method": "draft_model", "model": "x"}, "not implemented"),
+        ({"method": "draft_model"}, "needs 'model'"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
         ({"num_lookahead": 2}, "unknown key"),
+        ({"disable_by_batch_size": -1}, "disable_by_batch_size"),
         ({"model": "x"}, "only for method 'draft_model'"),
         ("ngram", "must be a dict"),
     ],
@@ -238,3 +247,43 @@ def test_trim_gives_back_the_rejected_tokens_blocks(reserve: str) -> None:
     kv.check_integrity()
     kv.free(r)
     assert kv.num_free_blocks == 10
+
+
+@pytest.mark.parametrize(
+    ("disable_by_batch_size", "num_requests", "speculates"), [(4, 3, True), (4, 4, False), (0, 6, True)]
+)
+def test_wide_batches_decode_plainly(disable_by_batch_size: int, num_requests: int, speculates: bool) -> None:
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=64))
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        kv,
+        4,
+        NgramProposer(SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=disable_by_batch_size)),
+    )
+    for i in range(num_requests):
+        sched.add_request(Request(f"r{i}", [5, 6, 7, 5], SamplingParams(max_tokens=8)))
+    sched.schedule()  # the prefills
+    for r in sched.running:
+        r.advance(r.num_tokens)
+        r.append_output_token(6, 0.0)  # [5, 6, 7, 5, 6]: "5 6" occurred before, followed by 7 5
+    rows = sched.schedule().rows
+    assert [row.num_spec_tokens > 0 for row in rows] == [speculates] * num_requests
+
+
+def test_draft_slots_start_late_only_when_worth_the_catch_up() -> None:
+    config = SpeculativeConfig(
+        method="draft_model", model="d", num_speculative_tokens=3, disable_by_batch_size=4
+    )
+    slots = DraftSlots(config)
+    fresh = _request([1, 2, 3], [4], max_tokens=50)
+    assert slots.propose(fresh, 10, num_running=1) == [DRAFT_PLACEHOLDER] * 3
+    assert slots.propose(fresh, 10, num_running=4) == []  # too wide a batch
+    assert slots.propose(fresh, 10, num_running=1) == [DRAFT_PLACEHOLDER] * 3  # it had drafted: resumes
+    late = _request(list(range(40)), [4], max_tokens=30)
+    late.request_id = "late"
+    assert slots.propose(late, 10, num_running=5) == []
+    assert slots.propose(late, 10, num_running=1) == []  # 29 tokens to go < 41 the draft would first read
+    long_run = _request(list(range(10)), [4], max_tokens=100)
+    long_run.request_id = "long"
+    assert slots.propose(long_run, 10, num_running=5) == []
+    assert slots.propose(long_run, 10, num_running=1) == [DRAFT_PLACEHOLDER] * 3

@@ -16,6 +16,10 @@ decode phases. :meth:`Scheduler.schedule` works in two passes:
 
 :meth:`Scheduler.update_from_output` then appends the sampled tokens, finishes requests and frees their
 blocks. Every row that could have run and did not is explained in ``StepRecord.idle_rows``.
+
+Speculative decoding (a ``proposer``, ``core/proposers.py``): a decode row also carries the proposed tokens, given
+slots only when they fit without preempting anyone; its update appends the tokens the runner verified up to the
+first stop, counts the KV of the kept ones only as computed and gives back the blocks wholly past them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from tokenmill.errors import OVERLOADED, STEP_FAILED, BadRequestError, ContextLe
 from tokenmill.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from tokenmill.core.ngram import NgramProposer
+    from tokenmill.core.proposers import Proposer
 
 
 class Scheduler:
@@ -47,9 +51,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         block_size: int,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
-        """``proposer``: speculative decoding's (``core/ngram.py``); a decode row then carries its proposal."""
+        """``proposer``: speculative decoding's (``core/proposers.py``: n-gram or draft-model slots); a decode
+        row then carries its proposal."""
         if block_size != kv_manager.block_size:
             raise ValueError(f"block_size {block_size} != the KV-cache manager's {kv_manager.block_size}")
         if config.reserve != kv_manager.reserve:
@@ -169,7 +174,7 @@ class Scheduler:
             request.sampling_params.max_tokens - request.num_output_tokens - 1,
             self.config.max_model_len - request.num_tokens - 1,
         )
-        return self.proposer.propose(request, room) if room > 0 else []
+        return self.proposer.propose(request, room, len(self.running)) if room > 0 else []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Blocks for ``num_new`` tokens of a running request, preempting from the back of ``running``

@@ -55,10 +55,12 @@ class ModelRunner:
         requests: Mapping[str, Request],
         seed: int = 0,
         tp_group: Any = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         """``requests``: the engine's table of live requests, read (never written) for their sampling state.
         ``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
-        tensor-parallel model: the KV cache holds this rank's heads, each step's rows go to the workers)."""
+        tensor-parallel model: the KV cache holds this rank's heads, each step's rows go to the workers).
+        ``draft``: speculative decoding's draft model (its KV in its own tensors, same block ids)."""
         self.loaded = loaded
         self.requests = requests
         self.tp_group = tp_group
@@ -70,12 +72,19 @@ class ModelRunner:
         kv_config = loaded.config if tp_group is None else tp_group.local_config
         self.kv_caches = allocate_kv_cache(kv_config, num_blocks, block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler(seed)
+        self.drafter = None  # speculative decoding's draft model (worker/drafter.py): fills rows' draft slots
+        if draft is not None:
+            from tokenmill.worker.drafter import Drafter
+
+            self.drafter = Drafter(draft, num_blocks, block_size, requests)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = scheduler_output.rows
         if not rows:
             return ModelRunnerOutput(sampled={})
+        if self.drafter is not None:
+            rows = self.drafter.fill(rows)
         if self.tp_group is not None:  # the workers run the same forward on their shards
             self.tp_group.broadcast(rows)
         hidden = forward_rows(self.model, rows, self.kv_caches, self.block_size, self.device)  # [T, H]

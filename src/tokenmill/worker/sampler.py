@@ -13,6 +13,9 @@ The exponential race picks ``argmax(p / E)`` with ``E ~ Exp(1)`` per token, whic
 A seeded row's noise comes from a generator seeded with ``mix(seed, num_output_tokens)``: stateless, so the
 same token comes out whatever else is in the batch, and again after a preemption recomputes the request.
 Unseeded rows share one engine-wide generator, drawn in one call.
+
+:meth:`Sampler.verify` is speculative decoding's: the same processing at each position of a row's proposal, then
+greedy acceptance or rejection sampling (exact in distribution).
 """
 
 from __future__ import annotations

@@ -1,0 +1,140 @@
+"""Mixed concurrent requests through tokenmill and through llama.cpp's server, one after the other, same GGUF.
+
+    python -m benchmarks.served_mix --model qwen2.5-coder-1.5b-instruct --num-requests 16 \\
+        --llama-server ~/peers/.../build/bin/llama-server
+
+The workload of issue 25: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
+output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
+same number of tokens. tokenmill runs them through ``Engine.generate`` on its exact default path (the continuous
+batching scheduler, no HTTP); llama.cpp through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each
+request a ``/completion`` call with the token ids as the prompt, all in flight together). Both are warmed up
+untimed. Prints each wall time and the ratio measured in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+
+def make_requests(n: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab_size - 1000) for _ in range(rng.randint(64, 512))], rng.randint(32, 128))
+        for _ in range(n)
+    ]
+
+
+def run_tokenmill(model: str, requests: list[tuple[list[int], int]], **engine_kwargs: Any) -> float:
+    from tokenmill.engine import Engine
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = Engine(model=model, max_num_batched_tokens=2048, **engine_kwargs)
+    engine.generate([requests[0][0][:32]], SamplingParams(temperature=0.0, max_tokens=4))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
+    start = time.perf_counter()
+    outputs = engine.generate([p for p, _ in requests], params)
+    elapsed_s = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [m for _, m in requests]
+    return elapsed_s
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+def run_llama_server(binary: str, gguf: str, requests: list[tuple[list[int], int]], parallel: int) -> float:
+    port = 18090
+    proc = subprocess.Popen(
+        [
+            binary,
+            "-m",
+            gguf,
+            "-np",
+            str(parallel),
+            "-c",
+            str(parallel * 1024),
+            "-t",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+
+        def one(req: tuple[list[int], int]) -> int:
+            out = _post(
+                url + "/completion",
+                {
+                    "prompt": req[0],
+                    "n_predict": req[1],
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                },
+            )
+            return int(out["tokens_predicted"])
+
+        one((requests[0][0][:32], 4))  # warm-up
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(requests)) as pool:
+            counts = list(pool.map(one, requests))
+        elapsed_s = time.perf_counter() - start
+        assert counts == [m for _, m in requests], counts
+        return elapsed_s
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--llama-server", default=None, help="path to llama-server (omit: tokenmill only)")
+    parser.add_argument("--parallel", type=int, default=16, help="llama-server -np")
+    args = parser.parse_args()
+
+    from tokenmill.models import resolve
+    from tokenmill.system_info import collect, one_line
+    from tokenmill.tokenizer import Tokenizer
+
+    gguf = str(resolve(args.model)) if not args.model.endswith(".gguf") else args.model
+    vocab = Tokenizer.from_gguf(gguf).vocab_size
+    requests = make_requests(args.num_requests, vocab)
+    num_out = sum(m for _, m in requests)
+    print(f"# {gguf} | {one_line(collect())}")
+    print(
+        f"# {len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {num_out} output tokens"
+    )
+    tm = run_tokenmill(gguf, requests)
+    print(f"tokenmill (exact default path): {tm:.1f} s ({num_out / tm:.1f} output tok/s)", flush=True)
+    if args.llama_server:
+        ls = run_llama_server(args.llama_server, gguf, requests, args.parallel)
+        print(f"llama-server -np {args.parallel}: {ls:.1f} s ({num_out / ls:.1f} output tok/s)")
+        print(f"tokenmill / llama-server speed: {ls / tm:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

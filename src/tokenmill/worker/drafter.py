@@ -1,0 +1,117 @@
+"""The draft model of speculative decoding (``speculative_config={"method": "draft_model", "model": ...}``).
+
+The scheduler gives a drafting decode row ``k`` placeholder slots (``core/proposers.py``: ``DraftSlots``) and
+blocks for all 1 + k of its tokens. Before the target's forward, :meth:`Drafter.fill` writes the draft model's
+greedy tokens into them: one draft forward over every drafting row's tokens the draft has not seen yet (the
+whole prompt the first time; afterwards the last one or two), then ``k - 1`` forwards of one token per row.
+Greedy drafts are a deterministic function of the context, a point mass, so the sampler's verification keeps
+the target's distribution exact for sampled requests too.
+
+The draft's KV lives in its own tensors, indexed by the target's block table: the draft writes the same slots
+the target writes for those positions (the row's own blocks, allocated this step), so its blocks are allocated
+and freed with the request's. A request's draft KV is valid for its first ``num_valid`` positions: after a
+verification, ``min(what the draft computed, the target's accepted length)``; after a preemption, none. A
+prompt whose prefix came from the prefix cache is drafted over whole the first time (the cached blocks' draft
+KV was written by whichever request computed them, if it drafted at all), writing values equal to any already
+there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from itertools import accumulate
+
+import torch
+
+from tokenmill.core.sched_output import ScheduledRow
+from tokenmill.model.loader import LoadedModel, allocate_kv_cache
+from tokenmill.request import Request
+
+
+@dataclass
+class _Progress:
+    num_valid: int = 0  # positions whose draft KV is right
+    num_preemptions: int = 0  # the request's count when num_valid was set
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """ValueError unless the draft tokenizes as the target does (same ids for the same token strings)."""
+    t, d = target.tokenizer, draft.tokenizer
+    problems = []
+    if t.vocab_size != d.vocab_size:
+        problems.append(f"{t.vocab_size} vs {d.vocab_size} tokens")
+    elif any(t.id_to_token(i) != d.id_to_token(i) for i in range(t.vocab_size)):
+        problems.append("the same ids name different tokens")
+    if draft.config.vocab_size < target.config.vocab_size:
+        problems.append(
+            f"the draft's output layer has {draft.config.vocab_size} rows, the target's {target.config.vocab_size}"
+        )
+    if problems:
+        raise ValueError(
+            f"speculative_config.model {draft.source!r}: its vocabulary differs from the target's ({'; '.join(problems)})"
+        )
+
+
+class Drafter:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, requests: Mapping[str, Request]
+    ) -> None:
+        self.loaded = loaded
+        self.block_size = block_size
+        self.requests = requests
+        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+        self._progress: dict[str, _Progress] = {}
+
+    def fill(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """The rows with their placeholder slots holding the draft's tokens (other rows as they are)."""
+        from tokenmill.worker.model_runner import forward_rows
+
+        drafting = [i for i, row in enumerate(rows) if row.num_spec_tokens]
+        for rid in [r for r in self._progress if r not in self.requests]:
+            del self._progress[rid]  # finished
+        if not drafting:
+            return rows
+        index = {rows[i].request_id: i for i in drafting}
+        drafts: dict[str, list[int]] = {rows[i].request_id: [] for i in drafting}
+        # forward 1: what the draft has not seen, up to and including the row's last sampled token. After a
+        # verification the draft's KV is right up to the target's accepted length (the row's start) at most.
+        current = []
+        for i in drafting:
+            row, request = rows[i], self.requests[rows[i].request_id]
+            progress = self._progress.setdefault(row.request_id, _Progress())
+            if (
+                progress.num_preemptions != request.num_preemptions
+            ):  # its blocks were dropped and computed anew
+                progress.num_valid, progress.num_preemptions = 0, request.num_preemptions
+            start = min(progress.num_valid, row.start_position)
+            tokens = request.all_token_ids[start : row.start_position + 1]
+            current.append(ScheduledRow(row.request_id, tokens, start, row.block_ids, True, False))
+        while current:
+            hidden = forward_rows(
+                self.loaded.model, current, self.kv_caches, self.block_size, self.loaded.device
+            )
+            last = (
+                torch.tensor(list(accumulate(r.num_new_tokens for r in current)), device=self.loaded.device)
+                - 1
+            )
+            tokens = self.loaded.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()  # greedy drafts
+            following = []
+            for row, token in zip(current, tokens, strict=True):
+                drafted = drafts[row.request_id]
+                drafted.append(int(token))
+                if len(drafted) < rows[index[row.request_id]].num_spec_tokens:  # the next forward's input
+                    following.append(
+                        ScheduledRow(row.request_id, [int(token)], row.seq_len, row.block_ids, True, False)
+                    )
+            current = following
+        out = list(rows)
+        for i in drafting:
+            row = rows[i]
+            k = row.num_spec_tokens
+            out[i] = replace(
+                row, token_ids=[*row.token_ids[: len(row.token_ids) - k], *drafts[row.request_id]]
+            )
+            # the draft computed positions up to start + k - 1 (its inputs: the last token, drafts 1 .. k - 1)
+            self._progress[row.request_id].num_valid = row.start_position + k
+        return out
