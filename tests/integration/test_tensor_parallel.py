@@ -48,6 +48,22 @@ def test_embedded_model_tp2_equals_tp1_through_preemption_and_abort() -> None:
         two.close()
 
 
+def test_tp2_with_ngram_speculation_equals_tp1() -> None:
+    """Rows carrying proposed tokens reach the workers as any rows do; verification runs on rank 0."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["the quick brown fox jumps over the lazy dog. " * 3, "1, 2, 3, 1, 2, 3, 1, 2, 3,"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    base = dict(device="cpu", quantization="fp32", num_kv_blocks=64)
+    expected = _run(Engine(EngineConfig(**base)), prompts, params)
+    two = Engine(EngineConfig(**base, tensor_parallel_size=2, speculative_config=spec))
+    try:
+        got = _run(two, prompts, params)
+        assert two.stats.num_spec_accepted_tokens > 0
+        assert list(got.values()) == list(expected.values())
+    finally:
+        two.close()
+
+
 def test_tiny_untied_model_tp2_logprobs_match(tmp_path: Path) -> None:
     _save_with_tokenizer(_tiny_hf_model(tie=False, seed=5), tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)

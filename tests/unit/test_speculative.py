@@ -106,8 +106,16 @@ def test_ngram_backs_off_after_rejections_and_resets_on_acceptance() -> None:
     assert [proposer.propose(r, 2) for _ in range(3)] == [[], [], [4, 3]]
     proposer.observe("r", 2, 0)  # twice in a row: 4 steps
     assert [proposer.propose(r, 2) for _ in range(5)] == [[], [], [], [], [4, 3]]
-    proposer.observe("r", 2, 1)  # an accepted token ends the back-off
+    proposer.observe("r", 2, 1)  # half accepted ends the back-off
     assert proposer.propose(r, 2) == [4, 3]
+    proposer.observe("r", 2, 1)
+    four = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)
+    )
+    r4 = _request([3, 4, 5, 6, 7, 3])
+    assert four.propose(r4, 4) == [4, 5, 6, 7]
+    four.observe("r", 4, 1)  # 1 of 4: not worth its verification
+    assert four.propose(r4, 4) == []
     proposer.forget("r")
     assert proposer._state == {}
 
