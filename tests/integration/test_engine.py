@@ -238,6 +238,8 @@ def test_prompt_logprobs_complete_after_preemption(make_engine):
     for want, got, prompt in zip(free, tight, prompts, strict=True):
         assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(prompt)
         assert got.prompt_logprobs[0] is None
+        # chunks of 8 go through the few-rows kernel (x times the codes, scaled per group), whole prompts through
+        # the expanded-weights one: the same values rounded differently, 1e-4 relative on a -20 logprob
         for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
-            assert b.token_id == a.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert b.token_id == a.token_id and b.logprob == pytest.approx(a.logprob, rel=3e-4, abs=1e-4)
     assert tight_engine.num_free_blocks == tight_engine.num_total_blocks
