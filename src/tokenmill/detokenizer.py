@@ -64,6 +64,18 @@ class IncrementalDetokenizer:
         self._window.extend(token_ids)
         return self._release(self._decode_new(final=False))
 
+    def add_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        """``add`` for several tokens of one step (speculative decoding appends several): the text and how many of
+        the tokens it took, up to the one that completed a stop string (those after it are not output)."""
+        if len(token_ids) <= 1 or not self._stops:
+            return self.add(token_ids), len(token_ids)
+        text = ""
+        for n, token in enumerate(token_ids):
+            text += self.add([token])
+            if self.stop_string is not None:
+                return text, n + 1
+        return text, len(token_ids)
+
     def flush(self) -> str:
         """Text still held back (a trailing partial character, a possible stop-string start). Call once at the end."""
         if self.stop_string is not None:

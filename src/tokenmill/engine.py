@@ -439,17 +439,8 @@ class Engine:
         num_logprobs_before = request.num_returned_tokens
         new_ids = request.take_new_token_ids()
         detok: IncrementalDetokenizer = request.detokenizer
-        if len(new_ids) > 1 and request.sampling_params.stop:
-            # several tokens in one step (speculative decoding): a stop string may end inside them; the
-            # tokens after the one that completed it are dropped
-            new_text = ""
-            for n, token in enumerate(new_ids):
-                new_text += detok.add([token])
-                if detok.stop_string is not None:
-                    new_ids = new_ids[: n + 1]
-                    break
-        else:
-            new_text = detok.add(new_ids) if new_ids else ""
+        new_text, num_taken = detok.add_until_stop(new_ids)
+        new_ids = new_ids[:num_taken]  # tokens after a stop string's end (several in one step) are dropped
         if detok.stop_string is not None and not request.is_finished:
             self.scheduler.finish_request(
                 request.request_id,

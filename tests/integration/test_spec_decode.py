@@ -66,7 +66,7 @@ def test_greedy_outputs_are_identical_and_proposals_are_accepted(engines, prompt
     assert accepted > 20 and drafts > 5  # the code and the repeated sentence are copied
     assert sum(stats.spec_accepted_per_pos) == stats.num_spec_accepted_tokens
     assert stats.spec_accepted_per_pos == sorted(stats.spec_accepted_per_pos, reverse=True)  # j+1 needs j
-    assert 1.0 < stats.spec_mean_acceptance_length <= 5.0
+    assert stats.spec_mean_acceptance_length > 2.0  # more than one proposed token kept per verification
     assert spec.num_free_blocks == spec.num_total_blocks  # every block back, rejected tokens' included
 
 

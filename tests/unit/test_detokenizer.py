@@ -169,3 +169,22 @@ def test_special_tokens_kept_or_skipped(tok: Tokenizer) -> None:
         "".join(_stream(IncrementalDetokenizer(tok, [1], skip_special_tokens=False), [ids])) == "hi<|im_end|>"
     )
     assert "".join(_stream(IncrementalDetokenizer(tok, [1]), [ids])) == "hi"
+
+
+def test_add_until_stop_takes_tokens_up_to_the_stop_string(tok: Tokenizer) -> None:
+    ids = tok.encode("alpha beta gamma delta epsilon")
+    stop = "gamma"
+    # reference: one token at a time, counting until the stop string appears
+    one = IncrementalDetokenizer(tok, [1], stop=[stop])
+    want_text, want_n = "", len(ids)
+    for n, token in enumerate(ids):
+        want_text += one.add([token])
+        if one.stop_string is not None:
+            want_n = n + 1
+            break
+    many = IncrementalDetokenizer(tok, [1], stop=[stop])
+    text, n = many.add_until_stop(ids)
+    assert (text, n, many.stop_string) == (want_text, want_n, stop)
+    assert n < len(ids) and stop not in text
+    plain = IncrementalDetokenizer(tok, [1])
+    assert plain.add_until_stop(ids) == (plain.text, len(ids))

@@ -139,7 +139,10 @@ class Sampler:
             if request.grammar is not None:
                 apply_masks_along(processed[offsets[i] : offsets[i + 1]], request.grammar, drafts[i])
         greedy = processed.argmax(dim=-1).tolist()  # (N,)
-        probs = self._probabilities(processed, params)  # row -> (V,) for the sampled rows' positions
+        sampled_rows, sampled_probs = self._probabilities(processed, params)
+        probs = dict(
+            zip(sampled_rows, sampled_probs, strict=True)
+        )  # row -> (V,), the sampled rows' positions
         emitted: list[list[int]] = []
         for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             first = offsets[i]
@@ -156,16 +159,16 @@ class Sampler:
 
     def _probabilities(
         self, processed: torch.Tensor, params: list[SamplingParams]
-    ) -> dict[int, torch.Tensor]:
-        """Each sampled row's distribution after temperature, top_k, top_p and min_p (as ``_choose`` draws)."""
+    ) -> tuple[list[int], torch.Tensor]:
+        """The sampled rows (temperature > 0) and their distributions (S, V) after temperature, top_k, top_p and
+        min_p: what ``_choose`` races over and ``verify`` accepts against."""
         rows = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
         if not rows:
-            return {}
+            return rows, processed.new_empty((0, processed.shape[1]))
         row_index = torch.tensor(rows, device=processed.device)
         temperature = torch.tensor([params[i].temperature for i in rows], device=processed.device)
         x = processed.index_select(0, row_index).div_(temperature.unsqueeze(1))  # (S, V)
-        probs = torch.softmax(_truncate(x, [params[i] for i in rows]), dim=-1)
-        return {row: probs[j] for j, row in enumerate(rows)}
+        return rows, torch.softmax(_truncate(x, [params[i] for i in rows]), dim=-1)
 
     def _rejection_sample(self, request: Request, draft: list[int], probs: list[torch.Tensor]) -> list[int]:
         out: list[int] = []
@@ -222,19 +225,11 @@ class Sampler:
     # --- choosing -----------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)  # (B,): the answer for greedy rows
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.temperature >= _MIN_TEMPERATURE]
+        rows, probs = self._probabilities(logits, [r.sampling_params for r in requests])  # (S, V)
         if not rows:
             return token_ids
-        device = logits.device
-        sampled = [requests[i] for i in rows]
-        params = [r.sampling_params for r in sampled]
-        row_index = torch.tensor(rows, device=device)
-        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        x = logits.index_select(0, row_index).div_(temperature)  # (S, V)
-        x = _truncate(x, params)
-        probs = torch.softmax(x, dim=-1)
-        noise = self._exponential_noise(sampled, probs.shape, device)  # (S, V)
-        token_ids[row_index] = probs.div_(noise).argmax(dim=-1)
+        noise = self._exponential_noise([requests[i] for i in rows], probs.shape, logits.device)  # (S, V)
+        token_ids[torch.tensor(rows, device=logits.device)] = probs.div_(noise).argmax(dim=-1)
         return token_ids
 
     def _exponential_noise(
