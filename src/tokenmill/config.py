@@ -117,6 +117,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     reserve: Reserve = "none"
     max_num_preemptions: int = 32  # a request preempted more often than this ends with an error
+    # False: a prompt is admitted only when all of it fits the step's token budget (an encoder's bidirectional
+    # attention needs every token of the row in one forward)
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -105,6 +105,10 @@ class Engine:
         self.generation_defaults = resolve(config.generation_config, loaded.source)
         self.model_name = _model_name(loaded.source)
         self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
+        # An embedding model (an encoder, model/encoder.py): prompts are pooled, not continued; no KV is kept.
+        self.is_pooling = bool(getattr(loaded.model, "is_encoder", False))
+        if self.is_pooling and (config.speculative_config is not None or tp > 1):
+            raise ValueError("an embedding model runs without speculative_config and tensor parallelism")
         self.draft = self._load_draft()
         self._size_kv_pool()
         self._build_scheduler()
@@ -116,15 +120,21 @@ class Engine:
                 loaded, load_kwargs, tp, self.num_total_blocks, config.block_size
             )
         self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
-        self.runner = ModelRunner(
-            loaded,
-            self.num_total_blocks,
-            config.block_size,
-            self._requests,
-            seed=config.seed,
-            tp_group=self.tp_group,
-            draft=self.draft,
-        )
+        self.runner: Any
+        if self.is_pooling:
+            from tokenmill.worker.pooling_runner import PoolingRunner
+
+            self.runner = PoolingRunner(loaded)
+        else:
+            self.runner = ModelRunner(
+                loaded,
+                self.num_total_blocks,
+                config.block_size,
+                self._requests,
+                seed=config.seed,
+                tp_group=self.tp_group,
+                draft=self.draft,
+            )
         self.stats = EngineStats()
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
@@ -147,6 +157,12 @@ class Engine:
                 num_key_value_heads=k1 - k0,
                 num_attention_heads=(k1 - k0) * kv_config.num_queries_per_kv,
             )
+        if self.is_pooling:  # blocks without tensors: they only bound the tokens in flight
+            self.num_total_blocks = config.num_kv_blocks or math.ceil(
+                config.max_num_seqs * self.max_model_len / config.block_size
+            )
+            self.kv_cache_bytes = 0
+            return
         bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, self.loaded.dtype)
         if self.draft is not None:  # the draft's KV: its own tensors, the same blocks
             bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.draft.dtype)
@@ -167,6 +183,7 @@ class Engine:
             max_model_len=self.max_model_len,
             reserve=config.reserve,
             max_num_preemptions=config.max_num_preemptions,
+            enable_chunked_prefill=not self.is_pooling,
         )
         self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
         model_config = loaded.config
@@ -174,7 +191,7 @@ class Engine:
         self.kv_manager = KVCacheManager(
             self.cache_config,
             config.reserve,
-            enable_caching=config.enable_prefix_caching,
+            enable_caching=config.enable_prefix_caching and not self.is_pooling,
             # blocks outside the window are released only when every layer has one (Qwen2's lower layers may not)
             sliding_window=windows[0] if None not in windows and len(set(windows)) == 1 else None,
         )
@@ -272,6 +289,11 @@ class Engine:
 
         ``params`` None: :meth:`default_sampling_params` (the model's generation defaults)."""
         params = params or self.default_sampling_params()
+        if self.is_pooling and params.max_tokens != 0:
+            raise BadRequestError(
+                f"{self.model_name} is an embedding model: it generates no tokens (use embed(), or max_tokens=0)",
+                param="max_tokens",
+            )
         if isinstance(prompt, str):
             if prompt == "":
                 raise BadRequestError("prompt must not be empty", param="prompt")
@@ -392,6 +414,8 @@ class Engine:
         self._advance_grammars(touched, now_s)
         for request_id, entries in runner_output.prompt_logprobs.items():
             self._requests[request_id].add_prompt_logprobs(entries)
+        for request_id, vector in runner_output.pooled.items():
+            self._requests[request_id].set_embedding(vector)
         return self._report(result, touched, now_s)
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:
@@ -475,6 +499,7 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs if first_delta else None,
+            embedding=request.embedding if request.is_finished else None,
         )
 
     def _finish(self, request: Request) -> RequestOutput:
@@ -504,7 +529,20 @@ class Engine:
             finished=request.is_finished,
             metrics=RequestMetrics.of(request),
             prompt_logprobs=request.prompt_logprobs,
+            embedding=request.embedding,
         )
+
+    def embed(self, prompts: Prompts) -> list[list[float]]:
+        """An embedding model's vector for each prompt (a string or token ids), in order."""
+        if not self.is_pooling:
+            raise BadRequestError(f"{self.model_name} is not an embedding model", param="model")
+        outputs = self.generate(prompts, SamplingParams(max_tokens=0, temperature=0.0))
+        for output in outputs:
+            if output.embedding is None:
+                raise RuntimeError(
+                    f"request {output.request_id}: {output.outputs[0].error or 'no embedding'}"
+                )
+        return [output.embedding for output in outputs if output.embedding is not None]
 
     def generate(
         self, prompts: Prompts, params: ParamsArg = None, use_tqdm: bool = False

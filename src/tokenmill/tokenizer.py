@@ -185,6 +185,11 @@ class Tokenizer:
             extra_special_token_ids={i for i in extra_special if i is not None},
         )
 
+    def disable_truncation_and_padding(self) -> None:
+        """Drop the truncation and padding a ``tokenizer.json`` may carry (BERT's pad every input to 128)."""
+        self._backend.no_truncation()
+        self._backend.no_padding()
+
     # --- tokens -------------------------------------------------------------------------------
     def added_token_id(self, text: str) -> int | None:
         """The id of the added token (special or not) whose text is exactly ``text``, else None: Qwen's

@@ -124,3 +124,5 @@ class ModelRunnerOutput:
     verified: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request_id -> per prompt token [(token_id, logprob, top-k list)], only for requests that asked
     prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    # request_id -> the pooled embedding of a prompt an encoder computed whole (embedding models only)
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -12,7 +12,8 @@ decode phases. :meth:`Scheduler.schedule` works in two passes:
 2. Only if nobody was preempted: waiting requests, first come first served (the head blocks the rest),
    while rows, tokens and blocks allow. An admitted request prefills all of its not-computed tokens
    (prompt + outputs after a preemption); the one at the token-budget boundary gets a chunk
-   (``sample=False``) and continues next step.
+   (``sample=False``) and continues next step, unless ``enable_chunked_prefill`` is off (an encoder's
+   prompts): then it waits for a step whose budget holds all of it.
 
 :meth:`Scheduler.update_from_output` then appends the sampled tokens, finishes requests and frees their
 blocks. Every row that could have run and did not is explained in ``StepRecord.idle_rows``.
@@ -117,6 +118,12 @@ class Scheduler:
                 f"lower max_tokens or give the KV cache more memory",
                 param="max_tokens",
             )
+        if not self.config.enable_chunked_prefill and request.num_tokens > self.config.max_num_batched_tokens:
+            raise BadRequestError(
+                f"request {request.request_id!r}: its {request.num_tokens} tokens exceed max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) and prompts are not chunked",
+                param="prompt",
+            )
         if request.request_id in self._requests:
             raise BadRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
@@ -205,6 +212,9 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request) if use_cache else []
             request.set_num_computed(len(cached) * self.block_size)
             num_new = min(request.num_tokens_to_compute, budget)
+            if num_new < request.num_tokens_to_compute and not self.config.enable_chunked_prefill:
+                request.set_num_computed(0)
+                return IdleReason.TOKEN_BUDGET  # whole prompts only: it waits for a step with room
             lookahead = 1 if request.num_preemptions else 0  # anti-thrash: room to make progress
             if self.kv.allocate_slots(request, num_new, lookahead, cached_blocks=cached) is None:
                 request.set_num_computed(0)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tokenmill.model.attention import (
     AttentionMetadata,
@@ -119,6 +120,15 @@ class TorchBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "attention": "torch (SDPA)" if self.device.type == "cuda" else "torch"}
+
+
+def prepare_encoder(encoder: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """An embedding model's linears on CPU in fp32: weights reordered for oneDNN, whose matmul adds the bias
+    and the GELU in the same pass (``model/cpu/packing.pack_encoder``); elsewhere the plain ``F.linear``."""
+    from tokenmill.model.cpu.packing import can_pack, pack_encoder
+
+    if can_pack(device, dtype) and torch.backends.mkldnn.is_available():
+        pack_encoder(encoder)
 
 
 def select_backend(

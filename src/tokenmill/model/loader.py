@@ -99,6 +99,10 @@ def load_model(
     path = _model_path(model)
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     _check_quantization(quantization, path, is_gguf, resolved_device, resolved_dtype)
+    from tokenmill.model.encoder import is_encoder_dir
+
+    if is_encoder_dir(path):
+        return _load_encoder(path, resolved_device, resolved_dtype, quantization)
     if path.is_dir():
         from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 
@@ -130,6 +134,34 @@ def load_model(
         dtype=resolved_dtype,
         quantization=quantization or ("fp32" if is_gguf else None),
         weight_bytes=weight_bytes(llama),
+    )
+
+
+def _load_encoder(
+    path: Path, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> LoadedModel:
+    """An embedding model's directory (``model/encoder.py``): its encoder and its tokenizer, which neither
+    truncates nor pads (an input longer than the model takes is refused, never cut)."""
+    from tokenmill.model.encoder import load_encoder
+    from tokenmill.model.quant import weight_bytes
+    from tokenmill.tokenizer import Tokenizer
+
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} does not apply to an embedding model")
+    tokenizer = Tokenizer.from_hf_dir(path)
+    tokenizer.disable_truncation_and_padding()
+    config, encoder = load_encoder(path, device, dtype)
+    from tokenmill.model.backend import prepare_encoder
+
+    prepare_encoder(encoder, device, dtype)
+    return LoadedModel(
+        config=config,  # type: ignore[arg-type]
+        model=encoder,  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        source=str(path),
+        device=device,
+        dtype=dtype,
+        weight_bytes=weight_bytes(encoder),  # type: ignore[arg-type]
     )
 
 

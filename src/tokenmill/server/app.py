@@ -1,11 +1,15 @@
-"""The FastAPI app: ``build_app(async_engine, ...)`` wires routes, the API-key gate and OpenAI-shaped errors.
+"""The FastAPI app: ``build_app(async_engine, ...)`` wires routes, the API-key gate and the errors (OpenAI's
+shape; Anthropic's under /v1/messages).
 
-Routes (``routes_*.py``): POST /v1/completions and /v1/chat/completions; GET /v1/models, /v1/models/{id},
-/health, /metrics, /version (``routes_info``); vLLM's POST /tokenize and /detokenize and GET /tokenizer_info
-(``routes_tokenize``). CORS only when
-configured (``--allowed-origins``). ``/openapi.json`` carries each POST's request model. With an API key every route needs
-``Authorization: Bearer <key>`` except the allow-list (/health, /metrics): the check is an ASGI middleware
-in front of the router, so a route added later is covered without anyone remembering to.
+Routes (``routes_*.py``): POST /v1/completions and /v1/chat/completions; OpenAI's Responses API (POST
+/v1/responses, GET and DELETE /v1/responses/{id}: ``routes_responses``); Anthropic's POST /v1/messages and
+/v1/messages/count_tokens (``routes_messages``); POST /v1/embeddings for an embedding model
+(``routes_embeddings``); GET /v1/models, /v1/models/{id}, /health, /metrics, /version (``routes_info``); vLLM's
+POST /tokenize and /detokenize and GET /tokenizer_info (``routes_tokenize``). CORS only when configured
+(``--allowed-origins``). ``/openapi.json`` carries each POST's request model. With an API key every route needs
+``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key``) except the allow-list (/health, /metrics): the
+check is an ASGI middleware in front of the router, so a route added later is covered without anyone
+remembering to.
 Handlers never touch the Engine: they go through :class:`~tokenmill.server.async_engine.AsyncEngine`.
 Prompts are never logged.
 """
@@ -27,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.server.async_engine import AsyncEngine
@@ -36,10 +40,7 @@ from tokenmill.server.common import (
     ApiError,
     ServerState,
 )
-from tokenmill.server.protocol import (
-    ErrorInfo,
-    ErrorResponse,
-)
+from tokenmill.server.response_store import ResponseStore
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -55,12 +56,21 @@ def build_app(
     cors: dict[str, Any] | None = None,
     max_header_bytes: int | None = None,
     tool_call_parser: str = "hermes",
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
     ``cors``: keyword arguments of Starlette's CORSMiddleware (``allow_origins`` ...), or None for no CORS.
     """
-    from tokenmill.server import routes_chat, routes_completions, routes_info, routes_tokenize
+    from tokenmill.server import (
+        routes_chat,
+        routes_completions,
+        routes_embeddings,
+        routes_info,
+        routes_messages,
+        routes_responses,
+        routes_tokenize,
+    )
 
     state = ServerState(
         async_engine=async_engine,
@@ -69,7 +79,11 @@ def build_app(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         tool_call_parser=tool_call_parser,
+        response_store=ResponseStore() if response_store is None else response_store,
     )
+
+    if getattr(async_engine, "metrics", None) is not None:
+        async_engine.metrics.watch_response_store(state.response_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,6 +95,9 @@ def build_app(
     app.state.tokenmill = state
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
+    app.include_router(routes_responses.router)
+    app.include_router(routes_messages.router)
+    app.include_router(routes_embeddings.router)
     app.include_router(routes_info.router)
     app.include_router(routes_tokenize.router)
     _add_error_handlers(app)
@@ -124,13 +141,14 @@ class HeaderLimitMiddleware:
                 error = ApiError(
                     431, f"the request headers exceed {self.max_header_bytes} bytes", code="headers_too_large"
                 )
-                await error.response()(scope, receive, send)
+                await error.response_for(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:
-    """Rejects, with 401, every HTTP request but those to ``open_paths`` that lacks the right bearer key.
+    """Rejects, with 401, every HTTP request but those to ``open_paths`` that lacks the right key: a bearer
+    token (OpenAI's clients) or an ``x-api-key`` header (Anthropic's).
 
     The comparison is constant-time over SHA-256 digests, so neither content nor length leaks by timing.
     """
@@ -149,30 +167,27 @@ class ApiKeyMiddleware:
             return
         error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         error.headers = {"WWW-Authenticate": "Bearer"}
-        await error.response()(scope, receive, send)
+        await error.response_for(scope.get("path", ""))(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        presented = b""
+        presented: list[bytes] = []
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    presented = token.strip()
-                break
-        return hmac.compare_digest(hashlib.sha256(presented).digest(), self._digest) and presented != b""
-
-
-def _error_body(status_code: int, message: str, type: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)).model_dump(),
-        status_code=status_code,
-    )
+                    presented.append(token.strip())
+            elif name == b"x-api-key":
+                presented.append(value.strip())
+        return any(
+            hmac.compare_digest(hashlib.sha256(key).digest(), self._digest) and key != b""
+            for key in presented
+        )
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
-        return exc.response()
+        return exc.response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -183,17 +198,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         message = (
             f"{param}: {first.get('msg', 'invalid value')}" if param else json.dumps(errors, default=str)
         )
-        return ApiError(400, message, param=param).response()
+        return ApiError(400, message, param=param).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
-        response = _error_body(exc.status_code, str(exc.detail), kind, code)
-        if exc.headers:
-            response.headers.update(exc.headers)
-        return response
+        error = ApiError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers)
+        return error.response_for(request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        return _error_body(500, f"internal error: {type(exc).__name__}", "server_error")
+        error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+        return error.response_for(request.url.path)

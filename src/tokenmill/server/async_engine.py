@@ -190,6 +190,8 @@ class AsyncEngine:
         defaults = getattr(engine, "generation_defaults", None)
         self.sampling_defaults: dict[str, Any] = dict(defaults.values) if defaults is not None else {}
         self.model_name: str = engine.model_name
+        self.is_pooling: bool = bool(getattr(engine, "is_pooling", False))  # an embedding model
+        self.embedding_size: int | None = int(engine.loaded.config.hidden_size) if self.is_pooling else None
         self.clock: Callable[[], float] = getattr(engine, "clock", time.perf_counter)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics(self.model_name)
@@ -541,6 +543,7 @@ class ChoiceResult:
     stop_reason: int | str | None = None
     error: str | None = None
     error_kind: str | None = None
+    embedding: list[float] | None = None  # an embedding model's vector
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.new_text
@@ -552,6 +555,8 @@ class ChoiceResult:
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -20,6 +20,7 @@ from tokenmill import errors
 from tokenmill.outputs import RequestDelta
 from tokenmill.server.async_engine import AsyncEngine, ChoiceResult, RequestGroup
 from tokenmill.server.protocol import ErrorInfo, ErrorResponse, validation_error_to_param
+from tokenmill.server.response_store import ResponseStore
 
 RETRY_AFTER_S = 1
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -33,6 +34,7 @@ class ServerState:
     max_body_bytes: int
     body_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's store: true
 
 
 def get_state(request: Request) -> ServerState:
@@ -69,6 +71,30 @@ class ApiError(Exception):
 
     def sse_event(self) -> str:
         return f"data: {ErrorResponse(error=self.info).model_dump_json()}\n\n"
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``, typed by status."""
+        kind = ANTHROPIC_ERROR_TYPES.get(
+            self.status_code, "api_error" if self.status_code >= 500 else "invalid_request_error"
+        )
+        return {"type": "error", "error": {"type": kind, "message": self.info.message}}
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The error in the shape the API at ``path`` speaks: Anthropic's under /v1/messages, else OpenAI's."""
+        if not is_anthropic_path(path):
+            return self.response()
+        return JSONResponse(self.anthropic_body(), status_code=self.status_code, headers=self.headers)
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+    503: "overloaded_error", 529: "overloaded_error",
+}  # fmt: skip
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def queue_full(message: str) -> ApiError:
@@ -189,13 +215,32 @@ def check_model(state: ServerState, model: str | None) -> None:
         )  # fmt: skip
 
 
-async def parse_request(request: Request, model: type[ModelT]) -> tuple[ServerState, ModelT]:
+async def parse_request(
+    request: Request, model: type[ModelT], task: str | None = "generate"
+) -> tuple[ServerState, ModelT]:
     """The server's state and the request's body as ``model``: 413 / 408 / 400 from the body reader and the
-    model, 404 for a model this server does not serve."""
+    model, 404 for a model this server does not serve, 400 for a route of another ``task`` than the model's
+    ("generate" or "embed"; None: any)."""
     state = get_state(request)
     req = parse_body(model, await read_json_body(request, state.max_body_bytes))
     check_model(state, getattr(req, "model", None))
+    check_task(state, task)
     return state, req
+
+
+def check_task(state: ServerState, task: str | None) -> None:
+    is_pooling = state.async_engine.is_pooling
+    if task == "generate" and is_pooling:
+        raise ApiError.bad_request(
+            f"{state.served_model_name} is an embedding model: it serves /v1/embeddings, not generation",
+            param="model", code="wrong_model_type",
+        )  # fmt: skip
+    if task == "embed" and not is_pooling:
+        raise ApiError.bad_request(
+            f"{state.served_model_name} is not an embedding model: /v1/embeddings needs one "
+            "(tokenmill serve --model all-minilm-l6-v2)",
+            param="model", code="wrong_model_type",
+        )  # fmt: skip
 
 
 async def submit(

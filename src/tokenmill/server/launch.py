@@ -108,6 +108,18 @@ def _add_limit_arguments(s: Any) -> None:
         help="seconds in-flight requests get to finish on SIGTERM",
     )
     s.add_argument(
+        "--responses-store-max-count",
+        type=int,
+        default=1024,
+        help="the Responses API keeps at most this many stored responses (oldest evicted first)",
+    )
+    s.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=64 << 20,
+        help="... and at most this many bytes of them",
+    )
+    s.add_argument(
         "--max-consecutive-step-failures",
         type=int,
         default=3,
@@ -196,6 +208,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
     from tokenmill.server.app import build_app
     from tokenmill.server.async_engine import AsyncEngine
     from tokenmill.server.metrics import ServerMetrics
+    from tokenmill.server.response_store import ResponseStore
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
 
@@ -222,6 +235,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         cors=cors,
         max_header_bytes=args.max_header_bytes,
         tool_call_parser=args.tool_call_parser,
+        response_store=ResponseStore(args.responses_store_max_count, args.responses_store_max_bytes),
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",

@@ -17,7 +17,7 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.stats import EngineStats
@@ -116,6 +116,28 @@ class _EngineTotals(Collector):
         for position, n in enumerate(snap.spec_accepted_per_pos):
             per_pos.add_metric([name, str(position)], float(n))
         yield per_pos
+
+
+class _ResponseStoreSeries(Collector):
+    """The Responses API's store, read at each scrape: what it holds and what its caps pushed out."""
+
+    def __init__(self, store: Any, model_name: str) -> None:
+        self.store, self.model_name = store, model_name
+
+    def collect(self) -> Iterable[Any]:
+        for kind, name, help_text, value in (
+            (GaugeMetricFamily, "tokenmill:responses_stored", "Responses held for previous_response_id.",
+             len(self.store)),
+            (GaugeMetricFamily, "tokenmill:responses_stored_bytes", "Bytes of the stored responses (JSON).",
+             self.store.num_bytes),
+            (CounterMetricFamily, "tokenmill:responses_evicted", "Stored responses evicted by the store's caps.",
+             self.store.num_evicted),
+            (CounterMetricFamily, "tokenmill:responses_not_stored",
+             "Responses larger than the store's byte cap on their own, never stored.", self.store.num_refused),
+        ):  # fmt: skip
+            family = kind(name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
 
 
 class ServerMetrics:
@@ -252,6 +274,10 @@ class ServerMetrics:
         )
         with self.lock:
             self.build_info.labels(*labels).set(1.0)
+
+    def watch_response_store(self, store: Any) -> None:
+        """Export the Responses API store's size and evictions (``tokenmill:responses_*``)."""
+        self.registry.register(_ResponseStoreSeries(store, self.model_name))
 
     def count_rejection(self) -> None:
         with self.lock:

@@ -1,8 +1,9 @@
 """The part of serving every API shares, written once: a request's engine group answered as one JSON body or as
 an event stream, with the client's disconnect, the engine's failures and formatting bugs handled the same way.
 
-Each API (``routes_completions.py``, ``routes_chat.py``) brings a view: what its stream opens with, the event
-for one engine delta, the usage event and the whole response. Everything else is here.
+Each API (``routes_completions.py``, ``routes_chat.py``, ``routes_responses.py``, ``routes_messages.py``) brings
+a view: what its stream opens with, the event for one engine delta, what closes it (or ends it on a failure) and
+the whole response. Everything else is here.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ from tokenmill.server.protocol import PromptTokensDetails, UsageInfo
 
 
 class View(Protocol):
-    """How one API writes its answers (per HTTP request)."""
-
-    include_usage: bool
+    """How one API writes its answers (per HTTP request). Events are ready SSE text (one or several events)."""
 
     def opening_events(self, num_choices: int) -> Iterable[str]: ...  # before any delta (chat: the roles)
 
     def event(self, index: int, delta: RequestDelta) -> str | None: ...  # one delta of choice ``index``
 
-    def usage_event(self, num_completion_tokens: int) -> str: ...  # the last event, when usage was asked
+    def closing_events(self, num_completion_tokens: int) -> Iterable[str]: ...  # after the last delta
+
+    def error_events(self, error: ApiError) -> Iterable[str]: ...  # instead of the closing ones, on a failure
 
     def response(self, results: list[ChoiceResult]) -> BaseModel: ...  # the whole answer, not streamed
 
@@ -88,11 +89,16 @@ class OpenAIView:
         chunk = self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[choice])
         return sse(chunk, exclude=None if self.include_usage else {"usage"})
 
-    def usage_event(self, num_completion_tokens: int) -> str:
+    def closing_events(self, num_completion_tokens: int) -> list[str]:
+        """The usage chunk when it was asked for, then ``[DONE]``."""
+        if not self.include_usage:
+            return [SSE_DONE]
         usage = self.usage(num_completion_tokens)
-        return sse(
-            self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-        )
+        chunk = self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+        return [sse(chunk), SSE_DONE]
+
+    def error_events(self, error: ApiError) -> list[str]:
+        return [error.sse_event(), SSE_DONE]
 
 
 async def respond(request: Request, state: ServerState, view: View, group: RequestGroup, stream: bool) -> Any:
@@ -111,8 +117,8 @@ async def respond(request: Request, state: ServerState, view: View, group: Reque
 
 
 async def events(view: View, group: RequestGroup, state: ServerState) -> AsyncIterator[str]:
-    """The stream: the view's opening events, an event per delta, the usage event; a failure ends it with one
-    error event, then ``[DONE]`` always."""
+    """The stream: the view's opening events, an event per delta, its closing events; a failure (the engine's,
+    or a bug while formatting) ends it with the view's error events instead."""
     num_completion_tokens = 0
     try:
         for opening in view.opening_events(len(group.request_ids)):
@@ -121,16 +127,18 @@ async def events(view: View, group: RequestGroup, state: ServerState) -> AsyncIt
             failure = stream_failure(state.async_engine, group, delta)
             if failure is not None:
                 group.abort()
-                yield failure.sse_event()
-                break
+                for event in view.error_events(failure):
+                    yield event
+                return
             num_completion_tokens += len(delta.new_token_ids)
             event = view.event(index, delta)
             if event is not None:
                 yield event
-        else:
-            if view.include_usage:
-                yield view.usage_event(num_completion_tokens)
+        closing = list(view.closing_events(num_completion_tokens))
     except Exception as exc:  # a bug while formatting: tell the client, then end the stream properly
         group.abort()
-        yield ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").sse_event()
-    yield SSE_DONE
+        closing = list(view.error_events(
+            ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        ))  # fmt: skip
+    for event in closing:
+        yield event

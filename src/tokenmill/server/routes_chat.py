@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from tokenmill.generation_defaults import default_max_tokens
 from tokenmill.outputs import Logprob, RequestDelta
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import ServerState, api_error, parse_request, request_body, submit
 from tokenmill.server.protocol import (
@@ -68,54 +68,71 @@ def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]
     return list(token_ids)
 
 
+@dataclass
+class ChatPlan:
+    """What a chat-shaped request becomes before it reaches the engine: the prompt's ids, one (ids, params) per
+    choice, and the request field a constraint came from (named in the engine's refusal)."""
+
+    prompt_ids: list[int]
+    engine_prompts: list[tuple[list[int], SamplingParams]]
+    structured_param: str | None
+
+
+def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
+    """The one place a chat request is turned into engine prompts: the template, max_tokens's default, the
+    sampling fields, and the grammar of a forced tool call. The Responses and Messages APIs translate their
+    requests into a ChatCompletionRequest and come here too. ParamError for what cannot be served. Runs the
+    template: call it off the event loop."""
+    prompt_ids = encode_messages(state, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    defaults = state.async_engine.sampling_defaults
+    if max_tokens is None:
+        max_tokens = default_max_tokens(defaults, len(prompt_ids), state.async_engine.max_model_len)
+    if max_tokens < 1:  # a prompt-only score is the completions route's echo
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        raise ParamError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    top_logprobs = req.top_logprobs
+    if top_logprobs and not req.logprobs:
+        raise ParamError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (top_logprobs or 0) if req.logprobs else None
+    engine_prompts = []
+    for i in range(req.num_choices):
+        params = to_sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            seed=None if req.seed is None else req.seed + i,
+            chat=True,
+            defaults=defaults,
+        )
+        engine_prompts.append((prompt_ids, params))
+    if req.forces_tool_call:  # "required" or a named function: the grammar writes a valid call
+        if req.structured()[1] is not None:
+            raise ParamError("tool_choice forcing a call cannot be combined with an output constraint",
+                             param="tool_choice")  # fmt: skip
+        tokenizer = state.async_engine.tokenizer
+        tags = {t: i for t in HERMES_TAGS if (i := tokenizer.added_token_id(t)) is not None}
+        grammar = forced_call_grammar(
+            req.active_tools(), state.tool_call_parser, req.parallel_tool_calls is True, tags
+        )
+        constraint = StructuredOutputsParams(grammar=grammar)
+        engine_prompts = [(ids, replace(p, structured_outputs=constraint)) for ids, p in engine_prompts]
+    structured_param = "tools" if req.forces_tool_call else req.structured()[1]
+    return ChatPlan(prompt_ids, engine_prompts, structured_param)
+
+
 @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     state, req = await parse_request(request, ChatCompletionRequest)
     try:
-        prompt_ids = await run_in_threadpool(encode_messages, state, req)  # the template off the event loop
-        n = req.num_choices
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        defaults = state.async_engine.sampling_defaults
-        if max_tokens is None:
-            max_tokens = default_max_tokens(defaults, len(prompt_ids), state.async_engine.max_model_len)
-        if max_tokens < 1:  # a prompt-only score is the completions route's echo
-            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            raise ParamError(f"{param} must be at least 1, got {max_tokens}", param=param)
-        top_logprobs = req.top_logprobs
-        if top_logprobs and not req.logprobs:
-            raise ParamError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        logprobs = (top_logprobs or 0) if req.logprobs else None
-        engine_prompts = []
-        for i in range(n):
-            params = to_sampling_params(
-                req,
-                max_tokens=max_tokens,
-                logprobs=logprobs,
-                seed=None if req.seed is None else req.seed + i,
-                chat=True,
-                defaults=defaults,
-            )
-            engine_prompts.append((prompt_ids, params))
-        if req.forces_tool_call:  # "required" or a named function: the grammar writes a valid call
-            if req.structured()[1] is not None:
-                raise ParamError("tool_choice forcing a call cannot be combined with an output constraint",
-                                 param="tool_choice")  # fmt: skip
-            tokenizer = state.async_engine.tokenizer
-            tags = {t: i for t in HERMES_TAGS if (i := tokenizer.added_token_id(t)) is not None}
-            grammar = forced_call_grammar(
-                req.active_tools(), state.tool_call_parser, req.parallel_tool_calls is True, tags
-            )
-            constraint = StructuredOutputsParams(grammar=grammar)
-            engine_prompts = [(ids, replace(p, structured_outputs=constraint)) for ids, p in engine_prompts]
+        plan = await run_in_threadpool(plan_chat, state, req)  # the template off the event loop
     except ParamError as exc:
         raise api_error(exc) from None
-
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    structured_param = "tools" if req.forces_tool_call else req.structured()[1]
     group: RequestGroup = await submit(
-        state, engine_prompts, chat_id, req.cache_salt, structured_param=structured_param
+        state, plan.engine_prompts, chat_id, req.cache_salt, structured_param=plan.structured_param
     )
-    view = _ChatView(state, req, chat_id, len(prompt_ids))
+    view = _ChatView(state, req, chat_id, len(plan.prompt_ids))
     return await respond(request, state, view, group, bool(req.stream))
 
 

@@ -50,7 +50,7 @@ async def tokenizer_info(request: Request) -> Response:
 
 @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> Response:
-    state, req = await parse_request(request, TokenizeRequest)
+    state, req = await parse_request(request, TokenizeRequest, task=None)
     tokenizer = state.async_engine.tokenizer
     try:
         if req.messages is not None:
@@ -77,7 +77,7 @@ async def tokenize(request: Request) -> Response:
 
 @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> Response:
-    state, req = await parse_request(request, DetokenizeRequest)
+    state, req = await parse_request(request, DetokenizeRequest, task=None)
     tokenizer = state.async_engine.tokenizer
     for tok in req.tokens:
         if not 0 <= tok < tokenizer.vocab_size:

@@ -79,6 +79,18 @@ def _pack_all(
     return num_packed if pack is not None else 0
 
 
+def pack_encoder(encoder: torch.nn.Module) -> int:
+    """oneDNN-reordered weights for an encoder's linears (``model/encoder.EncoderLinear``); how many."""
+    from tokenmill.model.encoder import EncoderLinear
+
+    num_packed = 0
+    for module in encoder.modules():
+        if isinstance(module, EncoderLinear):
+            module.packed_weight = _onednn_pack(module.weight.detach())
+            num_packed += 1
+    return num_packed
+
+
 def attach_cpu_kernels(model: LlamaForCausalLM) -> int:
     """Give every int8 CPU projection the ``small_linear`` kernel, if it built.
 

@@ -1,0 +1,355 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as pydantic models, and its translation onto the chat path.
+
+A request is strict as the chat one is: an unknown field is a 400 naming it, and so is a known field whose value
+asks for something tokenmill does not do (a built-in tool such as ``web_search``, ``reasoning.effort`` on a model
+that does not reason, an ``include`` value it cannot produce, ``background: true``, ``truncation: "auto"``).
+``to_chat`` turns the request (with the conversation of ``previous_response_id`` before its input) into a
+:class:`~tokenmill.server.protocol.ChatCompletionRequest`, so templates, tools, constraints and sampling are
+decided in one place (``routes_chat.plan_chat``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    ParamError,
+    _Request,
+    validation_error_to_param,
+)
+
+# include values tokenmill can produce (the output text's logprobs); the others name outputs of built-in tools,
+# reasoning it does not have, or images.
+SUPPORTED_INCLUDE = frozenset({"message.output_text.logprobs"})
+
+
+# --- input items ------------------------------------------------------------------------------------
+
+
+class InputText(_Request):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Request):
+    """An assistant's earlier text, as the SDKs send back the output items they received."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class Refusal(_Request):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MessageItem(_Request):
+    type: Literal["message"] | None = None
+    id: str | None = None
+    status: str | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText | OutputText | Refusal]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+
+
+class FunctionCallItem(_Request):
+    type: Literal["function_call"]
+    id: str | None = None
+    status: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Request):
+    type: Literal["function_call_output"]
+    id: str | None = None
+    status: str | None = None
+    call_id: str
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+_ITEM_TYPES: dict[str, type[MessageItem] | type[FunctionCallItem] | type[FunctionCallOutputItem]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+_CONTENT_TYPES = ("input_text", "output_text", "refusal")
+
+
+def parse_items(raw: list[Any], param: str = "input") -> list[InputItem]:
+    """Each input item validated, with a 400 naming the item (``input[2].call_id``) for a bad one."""
+    items: list[InputItem] = []
+    for i, item in enumerate(raw):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise ParamError(f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        model = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise ParamError(
+                f"{where}.type: item type {kind!r} is not supported (tokenmill takes messages, function_call "
+                "and function_call_output items)", param=f"{where}.type",
+            )  # fmt: skip
+        if model is MessageItem and isinstance(item.get("content"), list):
+            for j, part in enumerate(item["content"]):
+                ptype = part.get("type") if isinstance(part, dict) else None
+                if ptype not in _CONTENT_TYPES:
+                    raise ParamError(
+                        f"{where}.content[{j}].type: content type {ptype!r} is not supported (text only)",
+                        param=f"{where}.content[{j}].type",
+                    )
+        try:
+            items.append(model.model_validate(item))
+        except ValidationError as exc:
+            inner = validation_error_to_param(exc)
+            name = f"{where}.{inner.param}" if inner.param else where
+            raise ParamError(inner.message.replace(inner.param or "", name, 1), param=name) from None
+    return items
+
+
+# --- the request --------------------------------------------------------------------------------------
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the one verbosity a model without the setting has
+
+
+class Reasoning(_Request):
+    effort: None = None  # a non-null effort asks for reasoning this model does not do
+    summary: None = None
+    generate_summary: None = None
+
+
+class ResponsesStreamOptions(_Request):
+    include_obfuscation: bool | None = None  # padding against length side channels: tokenmill sends none
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[Any] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool | None = False
+    stream_options: ResponsesStreamOptions | None = None
+    store: bool | None = True
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    # Labels and hints that ask for nothing tokenmill would have to do: who the end user is, a key for
+    # routing to a warm cache (every prefix is cached here), the one service tier there is, no truncation.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: Reasoning | None = None
+    background: Literal[False] | None = None
+    max_tool_calls: None = None  # a cap on built-in tool calls: there are none here
+    prompt: None = None  # stored prompt templates live on OpenAI's side
+    conversation: None = None  # the Conversations API is not served
+    # vLLM's extras
+    top_k: int | None = None
+    seed: int | None = None
+    cache_salt: str | None = None
+
+    def function_tools(self) -> list[FunctionTool]:
+        tools = []
+        for i, tool in enumerate(self.tools or []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ParamError(
+                    f"tools[{i}].type: tool type {kind!r} is not supported (tokenmill runs function tools only; "
+                    "built-in tools such as web_search are OpenAI's)", param=f"tools[{i}].type",
+                )  # fmt: skip
+            try:
+                tools.append(FunctionTool.model_validate(tool))
+            except ValidationError as exc:
+                inner = validation_error_to_param(exc)
+                raise ParamError(f"tools[{i}].{inner.message}", param=f"tools[{i}].{inner.param}") from None
+        return tools
+
+    def check(self) -> None:
+        """What the pydantic fields cannot say; ParamError naming the field."""
+        for value in self.include or []:
+            if value not in SUPPORTED_INCLUDE:
+                raise ParamError(
+                    f"include: {value!r} is not supported (tokenmill can include: {', '.join(sorted(SUPPORTED_INCLUDE))})",
+                    param="include",
+                )
+        if self.top_logprobs and "message.output_text.logprobs" not in (self.include or []):
+            raise ParamError(
+                'top_logprobs needs include: ["message.output_text.logprobs"]', param="top_logprobs"
+            )
+        if self.input is None and self.previous_response_id is None:
+            raise ParamError("input is required", param="input")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ParamError(
+                f"max_output_tokens must be at least 1, got {self.max_output_tokens}",
+                param="max_output_tokens",
+            )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])
+
+    def input_items(self) -> list[InputItem]:
+        if self.input is None:
+            return []
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return parse_items(self.input)
+
+
+def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function calls join the assistant turn before them, and each
+    call's output is a tool message answering it."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
+    return messages
+
+
+def to_chat(req: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
+    """The chat request this Responses request stands for: ``instructions`` as the system message, then the
+    stored conversation (``history``), then the request's own input."""
+    messages = items_to_messages(history + req.input_items())
+    if req.instructions:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    if not messages:
+        raise ParamError("input produced no messages", param="input")
+    tools = [
+        {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+        for t in req.function_tools()
+    ]
+    tool_choice: Any = req.tool_choice
+    if isinstance(tool_choice, NamedFunctionChoice):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+    response_format = None
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        response_format = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise ParamError("text.format.schema is required for json_schema", param="text.format.schema")
+        response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_},
+        }
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "tools": tools or None,
+        "tool_choice": tool_choice,
+        # as the chat route reads it: a forced call is one call unless parallel calls are asked for outright
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": response_format,
+        "logprobs": req.wants_logprobs,
+        "top_logprobs": req.top_logprobs,
+        "cache_salt": req.cache_salt,
+    }
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except (
+        ValidationError
+    ) as exc:  # a value the chat request refuses (an empty content it cannot template...)
+        inner = validation_error_to_param(exc)
+        raise ParamError(f"input: {inner.message}", param="input") from None
+
+
+# --- the response -------------------------------------------------------------------------------------
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[dict[str, Any]]
+    parallel_tool_calls: bool
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
+    store: bool
+    temperature: float | None = None
+    text: dict[str, Any]
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    background: bool = False
+    service_tier: str = "default"

@@ -1,0 +1,330 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A request becomes a chat request (``protocol_responses.to_chat``) and goes through ``routes_chat.plan_chat``,
+so it shares the chat path's template, tools, forced-call grammar, constraints and sampling. The answer is a
+``response`` object whose output items are a message (``output_text``) and/or ``function_call`` items; streamed,
+it is OpenAI's typed event sequence (``response.created`` ... ``response.completed``, each with its
+``sequence_number``). With ``store`` (the default, as OpenAI's) the response and its conversation are kept in
+the server's bounded :class:`~tokenmill.server.response_store.ResponseStore`, so ``previous_response_id`` can
+continue from it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenmill.outputs import Logprob, RequestDelta
+from tokenmill.server.async_engine import ChoiceResult
+from tokenmill.server.common import (
+    ApiError,
+    ServerState,
+    api_error,
+    get_state,
+    parse_request,
+    request_body,
+    submit,
+)
+from tokenmill.server.protocol import ParamError
+from tokenmill.server.protocol_responses import (
+    InputItem,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    parse_items,
+    to_chat,
+)
+from tokenmill.server.respond import respond
+from tokenmill.server.routes_chat import plan_chat
+from tokenmill.server.tool_calls import parse as parse_tool_calls
+from tokenmill.server.tool_calls import streamable_prefix
+
+router = APIRouter()
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    return ApiError(404, f"{what} with id '{response_id}' not found.", param=param, code=code)
+
+
+@router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+async def create_response(request: Request) -> Response:
+    state, req = await parse_request(request, ResponsesRequest)
+    try:
+        req.check()
+        history: list[InputItem] = []
+        if req.previous_response_id is not None:
+            stored = state.response_store.get(req.previous_response_id)
+            if stored is None:
+                raise _not_found(req.previous_response_id, "previous_response_id")
+            history = parse_items(stored.conversation, param="previous_response_id")
+        chat = to_chat(req, history)
+        plan = await run_in_threadpool(plan_chat, state, chat)
+    except ParamError as exc:
+        raise _renamed(exc) from None
+    response_id = f"resp_{uuid.uuid4().hex}"
+    group = await submit(
+        state, plan.engine_prompts, response_id, req.cache_salt,
+        structured_param="tools" if chat.forces_tool_call else ("text.format" if plan.structured_param else None),
+    )  # fmt: skip
+    conversation = [item.model_dump(exclude_none=True) for item in history + req.input_items()]
+    view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation)
+    return await respond(request, state, view, group, bool(req.stream))
+
+
+# chat fields a translated request may be refused under -> the Responses field the client sent
+_CHAT_TO_RESPONSES = {
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+    "top_logprobs": "top_logprobs",
+}
+
+
+def _renamed(exc: ParamError) -> ApiError:
+    param = _CHAT_TO_RESPONSES.get(exc.param or "", exc.param)
+    message = exc.message
+    if exc.param and param != exc.param:
+        message = message.replace(exc.param, param or "", 1)
+    return api_error(ParamError(message, param=param, code=exc.code))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    _refuse_query(request)
+    stored = get_state(request).response_store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    _refuse_query(request)
+    if not get_state(request).response_store.delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _refuse_query(request: Request) -> None:
+    for name in request.query_params:  # stream/include/starting_after replay a background response: none here
+        raise ApiError.bad_request(f"query parameter {name!r} is not supported", param=name)
+
+
+class _ResponsesView:
+    """One request's response object, whole or as OpenAI's event stream (n is always 1)."""
+
+    def __init__(
+        self, state: ServerState, req: ResponsesRequest, response_id: str, num_prompt_tokens: int,
+        conversation: list[dict[str, Any]],
+    ) -> None:  # fmt: skip
+        self.state = state
+        self.req = req
+        self.id = response_id
+        self.created_at = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.conversation = conversation
+        self.tool_names = {t.name for t in req.function_tools()} if req.tool_choice != "none" else set()
+        self.parser = state.tool_call_parser
+        self.sequence_number = 0
+        # streaming state
+        self.text = ""
+        self.sent = 0  # characters of text streamed as output_text deltas
+        self.token_ids: list[int] = []
+        self.logprob_entries: list[Logprob] = []
+        self.message_id: str | None = None  # the open message item, once text has started
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    # --- the response object ---------------------------------------------------------------------------
+    def response_object(self, status: str, output: list[dict[str, Any]], num_output_tokens: int | None,
+                        finish_reason: str | None = None, error: dict[str, Any] | None = None) -> ResponseObject:  # fmt: skip
+        req = self.req
+        fmt = (
+            req.text.format.model_dump(exclude_none=True, by_alias=True)
+            if req.text and req.text.format
+            else {"type": "text"}
+        )
+        if finish_reason == "length" and status == "completed":
+            status = "incomplete"
+        usage = None
+        if num_output_tokens is not None:
+            usage = ResponseUsage(
+                input_tokens=self.num_prompt_tokens,
+                input_tokens_details={"cached_tokens": self.num_cached_tokens},
+                output_tokens=num_output_tokens,
+                output_tokens_details={"reasoning_tokens": 0},
+                total_tokens=self.num_prompt_tokens + num_output_tokens,
+            )
+        tool_choice: Any = req.tool_choice or "auto"
+        if not isinstance(tool_choice, str):
+            tool_choice = tool_choice.model_dump()
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, status=status, error=error,  # type: ignore[arg-type]
+            incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            model=self.state.served_model_name, output=output,
+            parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            previous_response_id=req.previous_response_id, store=req.store is not False,
+            temperature=req.temperature, text={"format": fmt}, tool_choice=tool_choice,
+            tools=[t.model_dump(exclude_none=True) for t in req.function_tools()], top_p=req.top_p,
+            top_logprobs=req.top_logprobs, usage=usage, user=req.user, metadata=req.metadata or {},
+        )  # fmt: skip
+
+    def message_item(
+        self, text: str, logprobs: list[dict[str, Any]], status: str = "completed"
+    ) -> dict[str, Any]:
+        if self.message_id is None:
+            self.message_id = f"msg_{uuid.uuid4().hex}"
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if self.req.wants_logprobs:
+            part["logprobs"] = logprobs
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [part],
+        }
+
+    @staticmethod
+    def call_item(call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+        return {
+            "type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status,
+        }  # fmt: skip
+
+    def logprobs(self, token_ids: list[int], entries: list[Logprob]) -> list[dict[str, Any]]:
+        out = []
+        for token_id, entry in zip(token_ids, entries):
+            token = self.token_str(token_id)
+            top = [{"token": (s := self.token_str(t)), "logprob": lp, "bytes": list(s.encode())}
+                   for t, lp in entry.top_logprobs]  # fmt: skip
+            out.append(
+                {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+            )
+        return out
+
+    def token_str(self, token_id: int) -> str:
+        return str(self.state.async_engine.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def split(self, text: str) -> tuple[str, list[Any]]:
+        """The answer's text and its function calls (parsed out when tools were offered)."""
+        if not self.tool_names:
+            return text, []
+        content, calls = parse_tool_calls(text, self.parser, self.tool_names)
+        if self.req.parallel_tool_calls is False:
+            calls = calls[:1]  # at most one call per turn
+        return (content or "") if calls else text, calls
+
+    def store(self, response: ResponseObject) -> None:
+        if self.req.store is False:
+            return
+        body = response.model_dump()
+        self.state.response_store.put(body, self.conversation + [dict(item) for item in body["output"]])
+
+    # --- respond.View: whole -------------------------------------------------------------------------------
+    def response(self, results: list[ChoiceResult]) -> ResponseObject:
+        (result,) = results
+        self.num_cached_tokens = result.num_cached_tokens
+        content, calls = self.split(result.text)
+        output: list[dict[str, Any]] = []
+        if content or not calls:
+            logprobs = self.logprobs(result.token_ids, result.logprobs) if self.req.wants_logprobs else []
+            output.append(self.message_item(content, logprobs))
+        output.extend(self.call_item(c) for c in calls)
+        response = self.response_object("completed", output, len(result.token_ids), result.finish_reason)
+        self.store(response)
+        return response
+
+    # --- respond.View: streamed ----------------------------------------------------------------------------
+    def sse(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+    def opening_events(self, num_choices: int) -> list[str]:
+        body = self.response_object("in_progress", [], None).model_dump()
+        return [self.sse("response.created", response=body), self.sse("response.in_progress", response=body)]
+
+    def text_events(self, piece: str, logprobs: list[dict[str, Any]]) -> str:
+        """``piece`` as an output_text delta, the message item and its part opened first if need be."""
+        out = ""
+        if self.message_id is None:
+            item = self.message_item("", [], status="in_progress")
+            out += self.sse("response.output_item.added", output_index=0, item=item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            out += self.sse("response.content_part.added", item_id=self.message_id, output_index=0,
+                            content_index=0, part=part)  # fmt: skip
+        if piece or logprobs:
+            out += self.sse("response.output_text.delta", item_id=self.message_id, output_index=0,
+                            content_index=0, delta=piece, logprobs=logprobs)  # fmt: skip
+        return out
+
+    def event(self, index: int, delta: RequestDelta) -> str | None:
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.token_ids.extend(delta.new_token_ids)
+        self.logprob_entries.extend(delta.new_logprobs or [])
+        self.text += delta.new_text
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        ready = len(self.text) if not self.tool_names else streamable_prefix(self.text, self.parser)
+        if ready <= self.sent:
+            return None
+        piece, self.sent = self.text[self.sent : ready], ready
+        logprobs = []
+        if self.req.wants_logprobs and not self.tool_names:
+            logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs or [])
+        return self.text_events(piece, logprobs)
+
+    def closing_events(self, num_completion_tokens: int) -> list[str]:
+        content, calls = self.split(self.text)
+        out = []
+        if not calls and len(self.text) > self.sent or (not calls and self.message_id is None):
+            out.append(self.text_events(self.text[self.sent :], []))
+            self.sent = len(self.text)
+        output: list[dict[str, Any]] = []
+        if self.message_id is not None:
+            streamed = self.text[: self.sent]
+            text = content if not calls else streamed.rstrip()
+            logprobs = (
+                self.logprobs(self.token_ids, self.logprob_entries)
+                if self.req.wants_logprobs and not calls
+                else []
+            )
+            item = self.message_item(text, logprobs)
+            out.append(self.sse("response.output_text.done", item_id=self.message_id, output_index=0,
+                                content_index=0, text=text, logprobs=logprobs))  # fmt: skip
+            out.append(self.sse("response.content_part.done", item_id=self.message_id, output_index=0,
+                                content_index=0, part=item["content"][0]))  # fmt: skip
+            out.append(self.sse("response.output_item.done", output_index=0, item=item))
+            output.append(item)
+        for call in calls:
+            index = len(output)
+            item = self.call_item(call)
+            out.append(self.sse("response.output_item.added", output_index=index,
+                                item=self.call_item(call, "in_progress", arguments="")))  # fmt: skip
+            out.append(self.sse("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=index, delta=call.arguments))  # fmt: skip
+            out.append(self.sse("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=index, name=call.name, arguments=call.arguments))  # fmt: skip
+            out.append(self.sse("response.output_item.done", output_index=index, item=item))
+            output.append(item)
+        response = self.response_object("completed", output, num_completion_tokens, self.finish_reason)
+        self.store(response)
+        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        out.append(self.sse(kind, response=response.model_dump()))
+        return out
+
+    def error_events(self, error: ApiError) -> list[str]:
+        failure = {"code": error.info.code or error.info.type, "message": error.info.message}
+        body = self.response_object("failed", [], None, error=failure).model_dump()
+        return [self.sse("response.failed", response=body)]
