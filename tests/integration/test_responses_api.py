@@ -305,3 +305,25 @@ def test_openai_agents_default_responses_mode(server: ServerProcess, served: str
         Runner.run(chat_agent, [*history, {"role": "user", "content": "Thanks!"}], max_turns=2)
     )
     assert isinstance(reply.final_output, str)
+
+
+def test_codex_cli_request_shape_is_accepted(server: ServerProcess, served: str) -> None:
+    """The fields Codex CLI 0.169 sends with every turn (read off its request): developer messages, function
+    tools with ``strict: false``, a reasoning summary and encrypted reasoning asked of a model that does not
+    reason (nothing to give), its own client_metadata, a prompt_cache_key, store false, streamed."""
+    body = {
+        "model": served, "stream": True, "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "01a2362d", "client_metadata": {"turn_id": "t1", "session_id": "s1"},
+        "instructions": "You are a coding agent.", "max_output_tokens": 16,
+        "input": [
+            {"type": "message", "id": "msg_1", "role": "developer",
+             "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Write hello.py"}]},
+        ],
+        "tools": [{"type": "function", "name": "exec_command", "description": "Runs a command.", "strict": False,
+                   "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}],
+    }  # fmt: skip
+    events = _raw_events(server, body)
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert not any(item["type"] == "reasoning" for item in events[-1]["response"]["output"])  # type: ignore[index]

