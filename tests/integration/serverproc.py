@@ -111,3 +111,18 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+
+
+def model_server(pulled: str | None, *args: str) -> ServerProcess:
+    """A started server on the embedded model (``pulled`` None) or on a model ``tokenmill pull`` fetches (pulled
+    once, then cached), with ``model_name`` set to what clients call it."""
+    if pulled is not None:
+        from tokenmill import models
+
+        args = (*args, "--model", str(models.pull(pulled, progress=False, log=lambda s: None)))
+    proc = ServerProcess(*args).start(timeout_s=600)
+    proc.model_name = pulled or EMBEDDED_MODEL  # type: ignore[attr-defined]
+    return proc

@@ -22,7 +22,7 @@ import instructor
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serverproc import ServerProcess
+from serverproc import ServerProcess, model_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -62,13 +62,7 @@ class Node(BaseModel):
 )
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """The server on the embedded model (the default run) and on the 1.5B (slow: pulled once, then cached)."""
-    args = ["--max-model-len", "2048", "--num-kv-blocks", "512"]
-    if request.param is not None:
-        from tokenmill import models
-
-        args += ["--model", str(models.pull(request.param, progress=False, log=lambda s: None))]
-    proc = ServerProcess(*args).start(timeout_s=600)
-    proc.model_name = request.param or MODEL  # type: ignore[attr-defined]
+    proc = model_server(request.param, "--max-model-len", "2048", "--num-kv-blocks", "512")
     yield proc
     proc.stop()
 

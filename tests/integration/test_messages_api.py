@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import anthropic
 import httpx
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, model_server
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-test-key"
@@ -28,13 +28,7 @@ WEATHER = {
     ],
 )
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    args = ["--max-model-len", "2048", "--num-kv-blocks", "512", "--api-key", KEY]
-    if request.param is not None:
-        from tokenmill import models
-
-        args += ["--model", str(models.pull(request.param, progress=False, log=lambda s: None))]
-    proc = ServerProcess(*args).start(timeout_s=600)
-    proc.model_name = request.param or MODEL  # type: ignore[attr-defined]
+    proc = model_server(request.param, "--max-model-len", "2048", "--num-kv-blocks", "512", "--api-key", KEY)
     yield proc
     proc.stop()
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serverproc import ServerProcess
+from serverproc import ServerProcess, model_server
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {
@@ -35,13 +35,9 @@ WEATHER = {
     ],
 )
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    args = ["--max-model-len", "2048", "--num-kv-blocks", "512", "--responses-store-max-count", "4"]
-    if request.param is not None:
-        from tokenmill import models
-
-        args += ["--model", str(models.pull(request.param, progress=False, log=lambda s: None))]
-    proc = ServerProcess(*args).start(timeout_s=600)
-    proc.model_name = request.param or MODEL  # type: ignore[attr-defined]
+    proc = model_server(
+        request.param, "--max-model-len", "2048", "--num-kv-blocks", "512", "--responses-store-max-count", "4"
+    )
     yield proc
     proc.stop()
 

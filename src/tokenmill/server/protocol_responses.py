@@ -183,7 +183,9 @@ class ResponsesRequest(_Request):
     store: bool | None = True
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
-    client_metadata: dict[str, Any] | None = None  # the client's own labels (Codex CLI's turn and session ids)
+    client_metadata: dict[str, Any] | None = (
+        None  # the client's own labels (Codex CLI's turn and session ids)
+    )
     # Labels and hints that ask for nothing tokenmill would have to do: who the end user is, a key for
     # routing to a warm cache (every prefix is cached here), the one service tier there is, no truncation.
     user: str | None = None

@@ -106,6 +106,17 @@ async def respond(request: Request, state: ServerState, view: View, group: Reque
     first; the engine's failure as its error (``stream_failure``)."""
     if stream:
         return SSEResponse(events(view, group, state), on_disconnect=group.abort)
+    results = await wait_for_results(request, state, group)
+    if isinstance(results, Response):
+        return results
+    return JSONResponse(view.response(results).model_dump())
+
+
+async def wait_for_results(
+    request: Request, state: ServerState, group: RequestGroup
+) -> list[ChoiceResult] | Response:
+    """Every choice's result once all ended; a 499 response when the client left first (the group aborted); the
+    engine's failure raised as its error (``stream_failure``)."""
     try:
         results = await until_disconnect(request, collect(group), group.abort)
     except ClientGone:
@@ -113,7 +124,7 @@ async def respond(request: Request, state: ServerState, view: View, group: Reque
     failure = failure_for(state.async_engine, group, results)
     if failure is not None:
         raise failure
-    return JSONResponse(view.response(results).model_dump())
+    return results
 
 
 async def events(view: View, group: RequestGroup, state: ServerState) -> AsyncIterator[str]:

@@ -20,19 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.async_engine import collect
-from tokenmill.server.common import (
-    ApiError,
-    ClientGone,
-    ServerState,
-    api_error,
-    failure_for,
-    parse_request,
-    request_body,
-    submit,
-    until_disconnect,
-)
+from tokenmill.server.common import ApiError, ServerState, api_error, parse_request, request_body, submit
 from tokenmill.server.protocol import ParamError, _Request
+from tokenmill.server.respond import wait_for_results
 
 router = APIRouter()
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
@@ -98,13 +88,9 @@ async def create_embeddings(request: Request) -> Response:
         )  # fmt: skip
     params = SamplingParams(max_tokens=0, temperature=0.0)
     group = await submit(state, [(ids, params) for ids in token_lists], f"embd-{uuid.uuid4().hex}")
-    try:
-        results = await until_disconnect(request, collect(group), group.abort)
-    except ClientGone:
-        return Response(status_code=499)
-    failure = failure_for(state.async_engine, group, results)
-    if failure is not None:
-        raise failure
+    results = await wait_for_results(request, state, group)
+    if isinstance(results, Response):
+        return results  # the client left
     data = []
     for index, result in enumerate(results):
         vector = result.embedding or []
