@@ -73,7 +73,7 @@ def test_responses_history_comes_before_the_input_and_instructions_first() -> No
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
         ({"input": "x", "tools": [{"type": "file_search"}]}, "tools[0].type"),
         ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
-        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "x", "include": ["computer_call_output.output.image_url"]}, "include"),
         ({}, "input"),
     ],
 )
