@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +21,9 @@ WORDS = ("cache", "block", "token", "kernel", "vector", "query", "model", "serve
 def short_texts(n: int, seed: int = 0) -> list[str]:
     """``n`` short texts of 3-20 words (a search box, a title, a sentence)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20))).capitalize() + "." for _ in range(n)]
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20))).capitalize() + "." for _ in range(n)
+    ]
 
 
 def main() -> None:
@@ -29,7 +32,9 @@ def main() -> None:
     parser.add_argument("--num-texts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
-    parser.add_argument("--server", action="store_true", help="also time POST /v1/embeddings on a local server")
+    parser.add_argument(
+        "--server", action="store_true", help="also time POST /v1/embeddings on a local server"
+    )
     args = parser.parse_args()
 
     import torch
@@ -37,7 +42,11 @@ def main() -> None:
 
     from tokenmill import LLM, models, system_info
 
-    path = str(models.pull(args.model, progress=False, log=lambda s: None)) if args.model in models.CATALOGUE else args.model
+    path = (
+        str(models.pull(args.model, progress=False, log=lambda s: None))
+        if args.model in models.CATALOGUE
+        else args.model
+    )
     texts = short_texts(args.num_texts)
     llm = LLM(path)
     st = SentenceTransformer(path, device="cpu")
@@ -53,7 +62,9 @@ def main() -> None:
         ours = np.asarray(llm.embed(texts))
         ours_s.append(time.perf_counter() - t)
     diff = float(np.abs(ours - theirs).max())
-    cos = float(((ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)).min())
+    cos = float(
+        ((ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)).min()
+    )
     best_ours, best_theirs = min(ours_s), min(theirs_s)
     print(f"sentence-transformers (batch {args.batch_size}): best {best_theirs * 1e3:.0f} ms, "
           f"median {sorted(theirs_s)[len(theirs_s) // 2] * 1e3:.0f} ms")  # fmt: skip
@@ -67,7 +78,6 @@ def main() -> None:
 
 def _time_server(path: str, texts: list[str], rounds: int) -> None:
     import openai
-
     from tests.integration.serverproc import ServerProcess
 
     proc = ServerProcess("--model", path).start()
@@ -76,7 +86,7 @@ def _time_server(path: str, texts: list[str], rounds: int) -> None:
         times = []
         for _ in range(rounds):
             t = time.perf_counter()
-            client.embeddings.create(model=proc.base_url and "all-MiniLM-L6-v2", input=texts)
+            client.embeddings.create(model=Path(path).name, input=texts)
             times.append(time.perf_counter() - t)
         print(f"server /v1/embeddings (one request, base64): best {min(times) * 1e3:.0f} ms")
     finally:
