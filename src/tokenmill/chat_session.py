@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from tokenmill.outputs import RequestMetrics
 
 HELP = "/exit, /reset, /system TEXT, /status; Ctrl-C stops an answer, Ctrl-D leaves"
 PROMPT = ">>> "
@@ -99,9 +101,8 @@ class ChatSession:
         except ValueError as exc:  # a conversation past the context: say so, keep the session
             self.out.write(f"[error: {exc}; /reset starts over]\n")
             return
-        start = time.perf_counter()
-        first_token_s: float | None = None
-        num_tokens, pieces = 0, []
+        pieces: list[str] = []
+        metrics = None
         self._interrupted = False
         previous = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
@@ -112,14 +113,13 @@ class ChatSession:
                 for delta in engine.step().deltas:
                     if delta.request_id != request_id:
                         continue
-                    if delta.new_token_ids and first_token_s is None:
-                        first_token_s = time.perf_counter() - start
-                    num_tokens += len(delta.new_token_ids)
                     pieces.append(delta.new_text)
                     self.out.write(delta.new_text)
                     self.out.flush()
-                    if delta.finished and delta.finish_reason == "abort":
-                        self.out.write(" [stopped]")
+                    if delta.finished:
+                        metrics = delta.metrics
+                        if delta.finish_reason == "abort":
+                            self.out.write(" [stopped]")
         finally:
             signal.signal(signal.SIGINT, previous)
         self.out.write("\n")
@@ -127,13 +127,25 @@ class ChatSession:
             {"role": "user", "content": user_text},
             {"role": "assistant", "content": "".join(pieces)},
         ]
-        if self.stats:
-            elapsed = time.perf_counter() - start
-            decode_s = elapsed - (first_token_s or 0.0)
-            rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
-            ttft = f"{first_token_s * 1e3:.0f} ms" if first_token_s is not None else "-"
-            self.out.write(f"[{num_tokens} tokens, first token {ttft}, {rate:.1f} tokens/s]\n")
+        if self.stats and metrics is not None:
+            self.out.write(format_stats(metrics) + "\n")
         self.out.flush()
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
         self._interrupted = True
+
+
+def format_stats(metrics: RequestMetrics) -> str:
+    """One answer's timings and counts (the engine's own, as ``--enable-per-request-metrics`` reports them)."""
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+    rate = f"{metrics.decode_tps:.1f} tokens/s" if metrics.decode_tps is not None else "- tokens/s"
+    return (
+        f"[{metrics.num_output_tokens} tokens, first token {ms(metrics.time_to_first_token_s)} "
+        f"(queue {ms(metrics.queue_time_s)}, prefill {ms(metrics.prefill_time_s)}), "
+        f"decode {ms(metrics.decode_time_s)} at {rate}; prompt {metrics.num_prompt_tokens} tokens, "
+        f"{metrics.num_cached_tokens} cached; {metrics.num_preemptions} preemptions, "
+        f"{metrics.num_recomputed_tokens} tokens recomputed]"
+    )

@@ -226,6 +226,14 @@ def _add_bench_commands(bench: Any) -> None:
     )
     add_bench_multiturn_arguments(multiturn)
     multiturn.set_defaults(func=run_bench_multiturn)
+    from tokenmill.bench.replay import add_bench_replay_arguments, run_bench_replay
+
+    replay = bench.add_parser(
+        "replay",
+        help="a recording of `serve --record` again: the real scheduler on the unit clock (counts), with what-ifs",
+    )
+    add_bench_replay_arguments(replay)
+    replay.set_defaults(func=run_bench_replay)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -399,7 +399,7 @@ class Engine:
         """One iteration. A forward that raises (any Exception: out of memory, a kernel bug) costs only the
         step's own requests: they end with ``finish_reason="error"`` and their blocks return to the pool, the
         exception is kept in ``StepResult.error``, and the next step serves everyone else."""
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule(now_s=self.clock())
         result = StepResult(record=scheduler_output.record)
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -500,6 +500,7 @@ class Engine:
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs if first_delta else None,
             embedding=request.embedding if request.is_finished else None,
+            metrics=RequestMetrics.of(request) if request.is_finished else None,
         )
 
     def _finish(self, request: Request) -> RequestOutput:

@@ -96,7 +96,9 @@ class Request:
     num_cached_blocks: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # prompt/output tokens computed again after a preemption
     num_returned_tokens: int = 0  # tokens already handed to the caller (never handed twice)
+    first_scheduled_time_s: float | None = None  # first admission into the batch (end of its queueing)
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
     finished_time_s: float | None = None
@@ -176,6 +178,15 @@ class Request:
         """The first admission's cached prefix is what usage reports as cached (a re-admission's is not)."""
         if self.num_preemptions == 0:
             self.num_cached_tokens = self.num_computed_tokens
+
+    def mark_scheduled(self, now_s: float | None) -> None:
+        """Admitted into the batch: the first admission ends its time in the queue (a re-admission does not)."""
+        if self.first_scheduled_time_s is None and now_s is not None:
+            self.first_scheduled_time_s = now_s
+
+    def add_recomputed(self, num_tokens: int) -> None:
+        """A row computed ``num_tokens`` tokens again whose KV a preemption had dropped."""
+        self.num_recomputed_tokens += num_tokens
 
     def advance(self, num_tokens: int) -> None:
         """A forward wrote the K/V of ``num_tokens`` more tokens."""

@@ -27,6 +27,7 @@ FLOORS: list[set[str]] = [
         "tokenizer",
         "detokenizer",
         "engine_args",
+        "traffic",
     },  # fmt: skip
     {"cache"},
     {"core", "stats"},

@@ -53,6 +53,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     start_s: float = 0.0  # send time, relative to the benchmark's start
     error: str | None = None
+    server_metrics: dict[str, Any] | None = None  # the server's own timings (--enable-per-request-metrics)
 
     @property
     def tpot_s(self) -> float | None:
@@ -170,8 +171,27 @@ def summarize(results: Sequence[RequestResult], duration_s: float, cfg: BenchCon
         "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
         "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
         "e2el_ms": _stats_ms([r.e2el_s for r in ok]),
+        "server": _server_side(ok),
         "errors": errors,
     }
+
+
+SERVER_TIMES_MS = ("queue_time_ms", "prefill_time_ms", "decode_time_ms", "e2e_time_ms")
+SERVER_COUNTS = ("num_cached_tokens", "num_preemptions", "num_recomputed_tokens")
+
+
+def _server_side(ok: Sequence[RequestResult]) -> dict[str, Any] | None:
+    """What the server measured itself (``--enable-per-request-metrics``): its time splits' percentiles and
+    the counts summed; None when it sent none."""
+    reported = [r.server_metrics for r in ok if r.server_metrics]
+    if not reported:
+        return None
+    out: dict[str, Any] = {"num_reported": len(reported)}
+    for key in SERVER_TIMES_MS:
+        out[key] = _stats_ms([m[key] / 1000.0 for m in reported if m.get(key) is not None])
+    for key in SERVER_COUNTS:
+        out[key] = sum(int(m.get(key) or 0) for m in reported)
+    return out
 
 
 def format_report(s: dict[str, Any]) -> str:
@@ -209,6 +229,16 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"{'-' * 4} {title} {'-' * max(1, 47 - len(title))}")
         for stat in ("mean", "median", "p99"):
             lines.append(row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {name} (ms):", s[key][stat]))
+    server = s.get("server")
+    if server:
+        title = f"Server's own timings ({server['num_reported']} requests)"
+        lines.append(f"{'-' * 4} {title} {'-' * max(1, 47 - len(title))}")
+        for key in SERVER_TIMES_MS:
+            label = key.removesuffix("_ms").replace("_", " ").capitalize()
+            lines.append(row(f"{label} mean / p99 (ms):", f"{server[key]['mean']:.1f} / {server[key]['p99']:.1f}"))
+        lines.append(row("Cached prompt tokens:", server["num_cached_tokens"]))
+        lines.append(row("Preemptions / recomputed tokens:",
+                         f"{server['num_preemptions']} / {server['num_recomputed_tokens']}"))  # fmt: skip
     if s["errors"]:
         lines.append("---- Errors " + "-" * 40)
         lines.extend(f"  {n} x {msg}" for msg, n in s["errors"].items())
@@ -284,6 +314,8 @@ async def send_one(
                     return result
                 if chunk.get("usage"):
                     usage_tokens = int(chunk["usage"]["completion_tokens"])
+                if isinstance(chunk.get("metrics"), dict):
+                    result.server_metrics = chunk["metrics"]
                 if any(c.get("text") for c in chunk.get("choices") or []):
                     if num_chunks == 0:
                         result.ttft_s = now - start

@@ -72,6 +72,7 @@ class Scheduler:
         self._finished_in_schedule: dict[str, Request] = {}  # ended by schedule(), not yet reported
         # request id -> most tokens it ever had computed: prefill below this mark is recomputation
         self._computed_high_water: dict[str, int] = {}
+        self._now_s: float | None = None  # the clock reading handed to the current schedule()
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -132,7 +133,9 @@ class Scheduler:
         self.waiting.append(request)
 
     # --- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
+        """The next step's rows. ``now_s`` (the engine's clock) stamps a request's first admission."""
+        self._now_s = now_s
         record = StepRecord(num_rows_possible=self.config.max_num_seqs)
         out = SchedulerOutput(rows=[], record=record)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -229,6 +232,7 @@ class Scheduler:
                 request.record_cache_hit()
             self.waiting.popleft()
             request.transition(RequestStatus.RUNNING)
+            request.mark_scheduled(self._now_s)
             self.running.append(request)
             out.record.admitted_ids.append(request.request_id)
             out.rows.append(self._make_row(request, num_new, out.record))
@@ -241,7 +245,9 @@ class Scheduler:
         end = start + num_new
         high_water = self._computed_high_water.get(request.request_id)
         if high_water is not None:
-            record.num_recomputed_tokens += max(0, min(end, high_water) - start)
+            num_recomputed = max(0, min(end, high_water) - start)
+            record.num_recomputed_tokens += num_recomputed
+            request.add_recomputed(num_recomputed)
             if end >= high_water:
                 del self._computed_high_water[request.request_id]
         # A decode row computes just the last sampled token, whose KV was never computed.

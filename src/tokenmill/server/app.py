@@ -41,6 +41,7 @@ from tokenmill.server.common import (
     ServerState,
 )
 from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.observers import current_trace_headers
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -57,6 +58,7 @@ def build_app(
     max_header_bytes: int | None = None,
     tool_call_parser: str = "hermes",
     response_store: ResponseStore | None = None,
+    enable_per_request_metrics: bool = False,
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
@@ -80,6 +82,7 @@ def build_app(
         body_timeout_s=body_timeout_s,
         tool_call_parser=tool_call_parser,
         response_store=ResponseStore() if response_store is None else response_store,
+        enable_per_request_metrics=enable_per_request_metrics,
     )
 
     if getattr(async_engine, "metrics", None) is not None:
@@ -101,6 +104,7 @@ def build_app(
     app.include_router(routes_info.router)
     app.include_router(routes_tokenize.router)
     _add_error_handlers(app)
+    app.add_middleware(TraceContextMiddleware)
     if state.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, open_paths=OPEN_PATHS)
     if max_header_bytes is not None:
@@ -122,6 +126,29 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
     app.openapi_schema = schema
     return schema
+
+
+class TraceContextMiddleware:
+    """Keeps the request's W3C trace-context headers (``traceparent``, ``tracestate``) where
+    ``AsyncEngine.submit`` finds them (``observers.current_trace_headers``), for the tracer's spans."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope.get("headers", ())
+            if name in (b"traceparent", b"tracestate")
+        }
+        token = current_trace_headers.set(headers or None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_trace_headers.reset(token)
 
 
 class HeaderLimitMiddleware:

@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.errors import BadRequestError, QueueFullError, UnavailableError
-from tokenmill.outputs import RequestDelta
+from tokenmill.outputs import RequestDelta, RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import EngineSnapshot, RequestEvent, ServerMetrics
+from tokenmill.server.observers import AddedRequest, Observers, RequestObserver, current_trace_headers
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -72,6 +73,7 @@ class _Add:
     prompts: list[tuple[list[int], SamplingParams]]
     arrival_s: float
     cache_salt: str | None = None
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass
@@ -96,6 +98,7 @@ class _Tracked:
     group: RequestGroup
     index: int
     arrival_s: float
+    added: AddedRequest
     admitted_s: float | None = None
     last_token_s: float | None = None
     announced: bool = False  # prompt tokens counted
@@ -172,7 +175,10 @@ class AsyncEngine:
         idle_poll_s: float = IDLE_POLL_S,
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
         on_dead: Callable[[BaseException], None] | None = None,
+        observers: Sequence[RequestObserver] = (),
     ) -> None:
+        """``observers``: called on the engine thread as requests are added, steps run and requests end (the
+        traffic recorder, the tracer: ``server/observers.py``)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue}")
         if max_consecutive_failures < 1:
@@ -196,6 +202,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics(self.model_name)
         self.idle_poll_s = idle_poll_s
+        self.observers = Observers(observers)
 
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -295,7 +302,9 @@ class AsyncEngine:
             request_id = f"req-{self._next_id}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(self, ids, asyncio.get_running_loop())
-        if not self._send(_Add(group, [(list(p), sp) for p, sp in prompts], arrival_s, cache_salt)):
+        headers = current_trace_headers.get()
+        add = _Add(group, [(list(p), sp) for p, sp in prompts], arrival_s, cache_salt, headers)
+        if not self._send(add):
             with self._lock:
                 self._counters.num_in_flight -= len(prompts)
             raise EngineDeadError(self.dead_message())
@@ -329,7 +338,10 @@ class AsyncEngine:
                 if self._drain_commands():
                     break
                 if engine.has_unfinished():
+                    start_s = self.clock()
                     result = engine.step()
+                    if self.observers:
+                        self.observers.on_step(start_s, self.clock(), engine.has_unfinished())
                     self._dispatch(result.deltas, result.record)
                     busy = True
                     error = getattr(result, "error", None)
@@ -355,6 +367,7 @@ class AsyncEngine:
                 self._closed = True
             self._fail_pending_commands()
             self._publish(alive=False)
+            self.observers.close()
         if self._error is not None and self.on_dead is not None:
             self.on_dead(self._error)
 
@@ -415,7 +428,12 @@ class AsyncEngine:
                     token_ids, params, request_id=request_id, arrival_time_s=command.arrival_s, **salt
                 )
                 added.append(request_id)
-                self._tracked[request_id] = _Tracked(group, index, command.arrival_s)
+                record = AddedRequest(
+                    request_id, token_ids, params, command.arrival_s, command.cache_salt, command.trace_headers
+                )
+                self._tracked[request_id] = _Tracked(group, index, command.arrival_s, record)
+                if self.observers:
+                    self.observers.on_add(record, self.clock())
         except Exception as exc:
             for request_id in added:
                 self._engine.abort(request_id)
@@ -454,6 +472,8 @@ class AsyncEngine:
             if delta.finished:
                 del self._tracked[delta.request_id]
                 num_finished += 1
+                if self.observers:
+                    self.observers.on_finish(tracked.added, delta)
                 event.finish_reason = delta.finish_reason or "stop"
                 event.e2e_s = now_s - tracked.arrival_s
             events.append(event)
@@ -478,6 +498,8 @@ class AsyncEngine:
                 error=message,
             )
             per_group.setdefault(tracked.group, []).append((tracked.index, delta))
+            if self.observers:
+                self.observers.on_finish(tracked.added, delta)
         with self._lock:
             self._counters.num_in_flight -= len(self._tracked)
         self.metrics.observe_requests([RequestEvent(finish_reason="error")] * len(self._tracked))
@@ -544,6 +566,7 @@ class ChoiceResult:
     error: str | None = None
     error_kind: str | None = None
     embedding: list[float] | None = None  # an embedding model's vector
+    metrics: RequestMetrics | None = None  # from the final delta
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.new_text
@@ -561,6 +584,7 @@ class ChoiceResult:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
             self.error, self.error_kind = delta.error, delta.error_kind
+            self.metrics = delta.metrics
 
 
 async def collect(group: RequestGroup) -> list[ChoiceResult]:

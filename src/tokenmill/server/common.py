@@ -35,6 +35,7 @@ class ServerState:
     body_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"
     response_store: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's store: true
+    enable_per_request_metrics: bool = False  # a `metrics` object with each response (RequestMetrics.as_json)
 
 
 def get_state(request: Request) -> ServerState:

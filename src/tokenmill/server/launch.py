@@ -73,10 +73,36 @@ def _add_http_arguments(s: Any) -> None:
         choices=["hermes", "llama3_json"],
         help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; llama3_json: a JSON object)",
     )
+    _add_observability_arguments(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
     )
+
+
+def _add_observability_arguments(s: Any) -> None:
+    """What the server tells its operator about each request besides /metrics."""
+    s.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="each response carries a `metrics` object: queue, prefill, decode and end-to-end times, tokens/s, "
+        "cached prompt tokens, preemptions, recomputed tokens (streamed: in the final chunk)",
+    )
+    s.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export one OpenTelemetry span per request to this OTLP endpoint (extra tokenmill[otel]; HTTP/"
+        "protobuf, or gRPC with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc), parented by the request's traceparent",
+    )
+    s.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="write each request (arrival, prompt length, prefix-sharing keys, limits, output length) to FILE as "
+        "JSON lines, for `tokenmill bench replay`; never the text unless --record-text",
+    )
+    s.add_argument("--record-text", action="store_true", help="--record also writes each prompt's text")
 
 
 def _add_limit_arguments(s: Any) -> None:
@@ -225,6 +251,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         max_queue=args.max_queue,
         metrics=metrics,
         max_consecutive_failures=args.max_consecutive_step_failures,
+        observers=_observers(args, engine, served_name),
     )
     app = build_app(
         async_engine,
@@ -236,6 +263,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         max_header_bytes=args.max_header_bytes,
         tool_call_parser=args.tool_call_parser,
         response_store=ResponseStore(args.responses_store_max_count, args.responses_store_max_bytes),
+        enable_per_request_metrics=args.enable_per_request_metrics,
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",
@@ -243,6 +271,24 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         "required" if api_key else "off",
     )  # fmt: skip
     return async_engine, app
+
+
+def _observers(args: argparse.Namespace, engine: Any, served_name: str) -> list[Any]:
+    """The traffic recorder (--record) and the tracer (--otlp-traces-endpoint), as asked."""
+    observers: list[Any] = []
+    if args.record_text and not args.record:
+        raise ValueError("--record-text needs --record FILE")
+    if args.otlp_traces_endpoint:
+        from tokenmill.server.tracing import RequestTracer
+
+        observers.append(RequestTracer(args.otlp_traces_endpoint, served_name))
+        logger.info("tracing: one span per request to %s", args.otlp_traces_endpoint)
+    if args.record:
+        from tokenmill.server.recorder import TrafficRecorder
+
+        observers.append(TrafficRecorder(args.record, engine, served_name, record_text=args.record_text))
+        logger.info("recording traffic to %s%s", args.record, " (with prompt text)" if args.record_text else "")
+    return observers
 
 
 def _json_list(flag: str, value: str) -> list[str]:

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.outputs import RequestDelta
+from tokenmill.outputs import RequestDelta, RequestMetrics
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup, collect
 from tokenmill.server.common import (
     SSE_DONE,
@@ -39,7 +39,8 @@ class View(Protocol):
 
     def event(self, index: int, delta: RequestDelta) -> str | None: ...  # one delta of choice ``index``
 
-    def closing_events(self, num_completion_tokens: int) -> Iterable[str]: ...  # after the last delta
+    # after the last delta; ``metrics`` (``--enable-per-request-metrics``) goes in the final event that carries usage
+    def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> Iterable[str]: ...
 
     def error_events(self, error: ApiError) -> Iterable[str]: ...  # instead of the closing ones, on a failure
 
@@ -89,13 +90,16 @@ class OpenAIView:
         chunk = self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[choice])
         return sse(chunk, exclude=None if self.include_usage else {"usage"})
 
-    def closing_events(self, num_completion_tokens: int) -> list[str]:
-        """The usage chunk when it was asked for, then ``[DONE]``."""
-        if not self.include_usage:
+    def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> list[str]:
+        """The usage chunk when it was asked for (or per-request metrics are on: they ride in it), then ``[DONE]``."""
+        if not self.include_usage and metrics is None:
             return [SSE_DONE]
         usage = self.usage(num_completion_tokens)
         chunk = self.chunk_class(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-        return [sse(chunk), SSE_DONE]
+        body = chunk.model_dump(exclude=None if self.include_usage else {"usage"})
+        if metrics is not None:
+            body["metrics"] = metrics
+        return [sse(body), SSE_DONE]
 
     def error_events(self, error: ApiError) -> list[str]:
         return [error.sse_event(), SSE_DONE]
@@ -109,7 +113,19 @@ async def respond(request: Request, state: ServerState, view: View, group: Reque
     results = await wait_for_results(request, state, group)
     if isinstance(results, Response):
         return results
-    return JSONResponse(view.response(results).model_dump())
+    body = view.response(results).model_dump()
+    if state.enable_per_request_metrics:
+        body["metrics"] = metrics_json([r.metrics for r in results])
+    return JSONResponse(body)
+
+
+def metrics_json(metrics: list[RequestMetrics | None]) -> dict[str, Any] | list[dict[str, Any]]:
+    """``--enable-per-request-metrics``' object (``RequestMetrics.as_json``): one object for one choice, a list
+    of them (each with its choice's ``index``) for several."""
+    objects = [{} if m is None else m.as_json() for m in metrics]
+    if len(objects) == 1:
+        return objects[0]
+    return [{"index": index, **obj} for index, obj in enumerate(objects)]
 
 
 async def wait_for_results(
@@ -131,6 +147,7 @@ async def events(view: View, group: RequestGroup, state: ServerState) -> AsyncIt
     """The stream: the view's opening events, an event per delta, its closing events; a failure (the engine's,
     or a bug while formatting) ends it with the view's error events instead."""
     num_completion_tokens = 0
+    finished: dict[int, RequestMetrics | None] = {}
     try:
         for opening in view.opening_events(len(group.request_ids)):
             yield opening
@@ -142,10 +159,15 @@ async def events(view: View, group: RequestGroup, state: ServerState) -> AsyncIt
                     yield event
                 return
             num_completion_tokens += len(delta.new_token_ids)
+            if delta.finished:
+                finished[index] = delta.metrics
             event = view.event(index, delta)
             if event is not None:
                 yield event
-        closing = list(view.closing_events(num_completion_tokens))
+        metrics = None
+        if state.enable_per_request_metrics:
+            metrics = metrics_json([finished.get(i) for i in range(len(group.request_ids))])
+        closing = list(view.closing_events(num_completion_tokens, metrics))
     except Exception as exc:  # a bug while formatting: tell the client, then end the stream properly
         group.abort()
         closing = list(view.error_events(

@@ -167,7 +167,7 @@ class _MessagesView:
             self.sent = ready
         return out or None
 
-    def closing_events(self, num_completion_tokens: int) -> list[str]:
+    def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> list[str]:
         out = [self.start()]
         content, calls = self.split(self.text)
         if not calls and (len(self.text) > self.sent or not self.text_open):
@@ -186,8 +186,9 @@ class _MessagesView:
             index += 1
         stop_reason, stop_sequence = self.stop(self.finish_reason, self.stop_reason, calls)
         usage = self.usage(num_completion_tokens).model_dump()
+        extra = {} if metrics is None else {"metrics": metrics}
         out.append(self.sse("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            usage=usage))  # fmt: skip
+                            usage=usage, **extra))  # fmt: skip
         out.append(self.sse("message_stop"))
         return out
 

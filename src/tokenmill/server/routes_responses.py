@@ -285,7 +285,7 @@ class _ResponsesView:
             logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs or [])
         return self.text_events(piece, logprobs)
 
-    def closing_events(self, num_completion_tokens: int) -> list[str]:
+    def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> list[str]:
         content, calls = self.split(self.text)
         out = []
         if not calls and len(self.text) > self.sent or (not calls and self.message_id is None):
@@ -321,7 +321,10 @@ class _ResponsesView:
         response = self.response_object("completed", output, num_completion_tokens, self.finish_reason)
         self.store(response)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
-        out.append(self.sse(kind, response=response.model_dump()))
+        body = response.model_dump()
+        if metrics is not None:
+            body["metrics"] = metrics
+        out.append(self.sse(kind, response=body))
         return out
 
     def error_events(self, error: ApiError) -> list[str]:
