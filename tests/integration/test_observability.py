@@ -303,3 +303,58 @@ def test_live_replay_against_the_server(served: Served) -> None:
     assert summary["completed"] == len(replayable) and summary["failed"] == 0
     assert summary["total_output_tokens"] == sum(r.num_output_tokens for r in replayable)
     assert summary["ttft_ms"]["p99"] > 0
+
+
+# --- the flags, on a real `tokenmill serve`; `bench serve` and `chat --stats` ---------------------------
+
+
+def test_serve_flags_record_and_report_per_request_metrics(tmp_path: Path) -> None:
+    """``tokenmill serve --enable-per-request-metrics --record FILE``: the openai SDK sees ``metrics`` on a chat
+    completion, ``bench serve`` prints the server's own timings, and after SIGTERM the file holds every request."""
+    import openai
+
+    from tokenmill.bench.serve_bench import BenchConfig, format_report, run_benchmark, summarize
+    from tests.integration.serverproc import ServerProcess
+
+    path = tmp_path / "traffic.jsonl"
+    server = ServerProcess("--enable-per-request-metrics", "--record", str(path)).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        completion = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5, temperature=0
+        )
+        metrics = (completion.model_extra or {})["metrics"]
+        _adds_up(metrics)
+        assert metrics["num_output_tokens"] == completion.usage.completion_tokens
+        cfg = BenchConfig(base_url=server.base_url, num_prompts=4, input_len=16, output_len=4)
+        results, duration, _ = asyncio.run(run_benchmark(cfg))
+        summary = summarize(results, duration, cfg)
+        assert summary["server"]["num_reported"] == 4
+        assert summary["server"]["e2e_time_ms"]["mean"] > 0
+        assert "Server's own timings (4 requests)" in format_report(summary)
+    finally:
+        assert server.stop() == 0
+    traffic = read_traffic(path)
+    assert len(traffic.requests) == 5
+    assert sorted(r.num_output_tokens for r in traffic.requests) == [4, 4, 4, 4, 5]
+    assert [r.arrival_index for r in traffic.requests] == [0, 1, 2, 3, 4]
+    assert all(r.prompt is None for r in traffic.requests)
+
+
+def test_chat_stats_show_the_engine_timings(make_engine: Any) -> None:
+    import io
+    import re
+
+    from tokenmill.chat_session import ChatSession
+
+    out = io.StringIO()
+    session = ChatSession(make_engine(), SamplingParams(max_tokens=6, temperature=0.0), stats=True, out=out)
+    session._answer("Hello")
+    line = out.getvalue().strip().splitlines()[-1]
+    pattern = (r"\[6 tokens, first token (\d+) ms \(queue (\d+) ms, prefill (\d+) ms\), decode (\d+) ms at "
+               r"[\d.]+ tokens/s; prompt (\d+) tokens, (\d+) cached; 0 preemptions, 0 tokens recomputed\]")  # fmt: skip
+    match = re.fullmatch(pattern, line)
+    assert match, line
+    ttft, queue, prefill = (int(match.group(i)) for i in (1, 2, 3))
+    assert abs(ttft - queue - prefill) <= 1  # rounded to whole milliseconds each
