@@ -4,9 +4,9 @@
     python benchmarks/suite.py --model qwen2.5-coder-1.5b-instruct --peers llamacpp   # a pulled model
 
 1. Load tokenmill (fp32 on CPU, bf16 on CUDA) and build the cases' token-id prompts (``workloads.py``).
-2. Measure the hardware limits (``hardware.py``): matmul FLOP/s at the model's shapes, read bandwidth.
+2. Measure the hardware limits (``tokenmill/model/hardware.py``): matmul FLOP/s at the model's shapes, read bandwidth.
 3. Run each engine over the chosen cases, one engine at a time, loading and warming it up untimed.
-4. Put a lower bound on each (case, engine) from the FLOP/byte model (``cost_model.py``) with that
+4. Put a lower bound on each (case, engine) from the FLOP/byte model (``tokenmill/cost_model.py``) with that
    engine's bytes per weight, and print time, useful tokens/s, time over tokenmill's, the fraction of
    the limit reached and the share of outputs identical to tokenmill's; then the targets, PASS/FAIL.
 5. Write everything as JSON (default ``bench_out/suite-<time>.json``; ``bench_out/`` is git-ignored).
@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 # transformers' GGUF loader draws a progress bar; tqdm reads this when it is first imported.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from benchmarks import hardware, report, workloads  # noqa: E402
+from benchmarks import report, workloads  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Runner,
     RunResult,
@@ -39,7 +39,8 @@ from benchmarks.common import (  # noqa: E402
     embedded_gguf_path,
     pick_device,
 )
-from benchmarks.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
+from tokenmill.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
+from tokenmill.model import hardware  # noqa: E402
 from benchmarks.peers import HFContinuousRunner, HFStaticRunner, LlamaCppRunner, release_hf_models  # noqa: E402
 from benchmarks.tokenmill_runner import TokenmillRunner, measure_overhead  # noqa: E402
 from tokenmill import system_info  # noqa: E402

@@ -165,6 +165,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # speculative decoding (None: off): a SpeculativeConfig or vLLM's dict, {"method": "ngram", ...}
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
+    # the machine's limits for each step's roofline fraction (tokenmill.roofline): None (off), "measure" (at
+    # start, as the suite measures them), or "GFLOPS,GBS"
+    hardware_limits: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -192,6 +195,8 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.hardware_limits not in (None, "measure"):
+            parse_hardware_limits(self.hardware_limits)  # ValueError now, not at load
         if self.tensor_parallel_size > 1 and self.quantization not in (None, "fp32"):
             raise ValueError(
                 f"tensor_parallel_size > 1 runs on fp32 weights; quantization={self.quantization!r} is not split"
@@ -205,3 +210,14 @@ class EngineConfig:
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def parse_hardware_limits(text: str) -> tuple[float, float]:
+    """``"250,30"`` -> (250e9 FLOP/s, 30e9 bytes/s); ValueError for anything else."""
+    try:
+        gflops, gbs = (float(p) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"hardware_limits is 'measure' or GFLOPS,GBS (e.g. 250,30), got {text!r}") from None
+    if not (gflops > 0 and gbs > 0):
+        raise ValueError(f"hardware_limits: both limits must be positive, got {text!r}")
+    return gflops * 1e9, gbs * 1e9

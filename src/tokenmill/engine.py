@@ -36,6 +36,8 @@ from tokenmill.errors import CONSTRAINT_FAILED, BadRequestError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.cost_model import ModelShape
+from tokenmill.roofline import MachineLimits, StepRoofline, step_kind
 from tokenmill.stats import EngineStats
 
 Prompt = str | Sequence[int]
@@ -52,6 +54,9 @@ class StepResult:
     finished: list[RequestOutput] = field(default_factory=list)
     record: StepRecord = field(default_factory=StepRecord)
     error: Exception | None = None  # the forward raised: the step's requests ended with this error
+    # with the machine's limits known (hardware_limits): the step's kind and its fraction of the limit
+    roofline_kind: str | None = None
+    roofline_fraction: float | None = None
 
 
 def _load_kwargs(config: EngineConfig) -> dict[str, Any]:
@@ -136,6 +141,7 @@ class Engine:
                 draft=self.draft,
             )
         self.stats = EngineStats()
+        self.roofline = self._build_roofline()
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
         self._ids = itertools.count()
@@ -202,6 +208,30 @@ class Engine:
 
             proposer = NgramProposer(spec) if spec.method == "ngram" else DraftSlots(spec)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size, proposer)
+
+    def _build_roofline(self) -> StepRoofline | None:
+        """The machine's limits (config.hardware_limits: measured now, or given) for each step's roofline."""
+        import torch
+
+        spec = self.config.hardware_limits
+        if spec is None or self.is_pooling:
+            return None
+        shape = ModelShape.from_config(self.loaded.config)
+        if spec == "measure":
+            from tokenmill.model import hardware
+
+            s = shape
+            shapes = hardware.model_matmul_shapes(
+                s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab_size
+            )
+            measured = hardware.measure(self.loaded.device, torch.float32, shapes, quick=True)
+            limits = MachineLimits(measured.peak_flops, measured.peak_read_bw, "measured at start")
+        else:
+            limits = MachineLimits.parse(spec)
+        weight_bytes = self.loaded.weight_bytes / (shape.matmul_params + shape.lm_head_params)
+        kv_bytes = torch.empty((), dtype=self.loaded.dtype).element_size()
+        logger.info("roofline: %s", limits.describe())
+        return StepRoofline(shape, limits, weight_bytes, kv_bytes)
 
     def _load_draft(self) -> Any:
         """Speculative decoding's draft model (method "draft_model"), refused unless its vocabulary is the target's."""
@@ -399,6 +429,7 @@ class Engine:
         """One iteration. A forward that raises (any Exception: out of memory, a kernel bug) costs only the
         step's own requests: they end with ``finish_reason="error"`` and their blocks return to the pool, the
         exception is kept in ``StepResult.error``, and the next step serves everyone else."""
+        start_s = time.perf_counter()  # the roofline's wall time (the engine's clock may be a unit clock)
         scheduler_output = self.scheduler.schedule(now_s=self.clock())
         result = StepResult(record=scheduler_output.record)
         try:
@@ -416,7 +447,13 @@ class Engine:
             self._requests[request_id].add_prompt_logprobs(entries)
         for request_id, vector in runner_output.pooled.items():
             self._requests[request_id].set_embedding(vector)
-        return self._report(result, touched, now_s)
+        result = self._report(result, touched, now_s)
+        if self.roofline is not None and scheduler_output.rows:
+            step_s = time.perf_counter() - start_s
+            kind, bound_s = step_kind(scheduler_output.rows), self.roofline.bound_s(scheduler_output.rows)
+            self.stats.add_roofline(kind, bound_s, step_s)
+            result.roofline_kind, result.roofline_fraction = kind, bound_s / step_s
+        return result
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:
         """Feed each constrained request's matcher its new tokens; a complete grammar ends it ("stop")."""

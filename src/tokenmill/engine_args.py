@@ -68,6 +68,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (off by default)',
     )
+    g.add_argument(
+        "--hardware-limits",
+        default=None,
+        metavar="measure|GFLOPS,GBS",
+        help="the machine's limits, for each step's fraction of them (tokenmill:step_roofline_fraction): "
+        "'measure' them at start (a few seconds: matmul at the model's shapes, read bandwidth) or give them, "
+        "e.g. 250,30 (off by default)",
+    )
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -99,4 +107,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=getattr(args, "speculative_config", None),
+        hardware_limits=getattr(args, "hardware_limits", None),
     )

@@ -37,6 +37,11 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     idle_rows_by_reason: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in IdleReason})
+    # the roofline (tokenmill.roofline, when the engine knows its machine's limits), by step kind: the steps'
+    # least possible time on this machine, their wall time, and how many
+    roofline_bound_s: dict[str, float] = field(default_factory=dict)
+    roofline_step_s: dict[str, float] = field(default_factory=dict)
+    num_roofline_steps: dict[str, int] = field(default_factory=dict)
     records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
 
     @property
@@ -70,12 +75,25 @@ class EngineStats:
         rejected = self.num_spec_draft_tokens - self.num_spec_accepted_tokens
         return rejected / self.num_decode_tokens if self.num_decode_tokens else 0.0
 
+    def add_roofline(self, kind: str, bound_s: float, step_s: float) -> None:
+        self.roofline_bound_s[kind] = self.roofline_bound_s.get(kind, 0.0) + bound_s
+        self.roofline_step_s[kind] = self.roofline_step_s.get(kind, 0.0) + step_s
+        self.num_roofline_steps[kind] = self.num_roofline_steps.get(kind, 0) + 1
+
+    @property
+    def roofline_fraction_by_kind(self) -> dict[str, float]:
+        """Per step kind: the least possible time of its steps over their wall time (1 = the machine's limit)."""
+        return {k: self.roofline_bound_s[k] / t for k, t in self.roofline_step_s.items() if t > 0}
+
     def totals(self) -> EngineStats:
         """A copy of the counters without the per-step records, safe to hand to another thread."""
         return replace(
             self,
             idle_rows_by_reason=dict(self.idle_rows_by_reason),
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            roofline_bound_s=dict(self.roofline_bound_s),
+            roofline_step_s=dict(self.roofline_step_s),
+            num_roofline_steps=dict(self.num_roofline_steps),
             records=deque(maxlen=1),
         )
 
@@ -115,4 +133,6 @@ class EngineStats:
             **{name: getattr(self, name) for name in names.split()},
             "spec_accepted_per_pos": list(self.spec_accepted_per_pos),
             "idle_rows_by_reason": dict(self.idle_rows_by_reason),
+            "roofline_fraction_by_kind": self.roofline_fraction_by_kind,
+            "num_roofline_steps": dict(self.num_roofline_steps),
         }

@@ -358,3 +358,65 @@ def test_chat_stats_show_the_engine_timings(make_engine: Any) -> None:
     assert match, line
     ttft, queue, prefill = (int(match.group(i)) for i in (1, 2, 3))
     assert abs(ttft - queue - prefill) <= 1  # rounded to whole milliseconds each
+
+
+# --- each step's fraction of the machine's limit -------------------------------------------------------
+
+
+def test_step_roofline_fraction_on_metrics(make_engine: Any) -> None:
+    """With the machine's limits given, every step is observed in ``tokenmill:step_roofline_fraction`` under its
+    kind, as many as the engine's own roofline counts say, and the fractions are the bound over the wall time."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = make_engine(hardware_limits="400,30")
+    ae = AsyncEngine(engine)
+    ae.start()
+
+    async def go() -> None:
+        await collect(await ae.submit([([1000 + k for k in range(40)], SamplingParams(max_tokens=12, ignore_eos=True))]))
+
+    asyncio.run(go())
+    ae.stop()
+    counts = {
+        s.labels["kind"]: s.value
+        for family in text_string_to_metric_families(ae.metrics.render())
+        if family.name == "tokenmill:step_roofline_fraction"
+        for s in family.samples
+        if s.name.endswith("_count")
+    }
+    assert counts == {k: float(n) for k, n in engine.stats.num_roofline_steps.items()}
+    assert counts["decode"] == 11 and counts["prefill"] == 1
+    assert 0 < engine.stats.roofline_fraction_by_kind["decode"] < 1.5
+
+
+@pytest.mark.slow
+def test_decode_roofline_agrees_with_the_suite_case_c(make_engine: Any) -> None:
+    """The suite's case (c) (the chat prompt, 128 greedy tokens, one stream) measured as the suite measures it
+    (its lower bound over the run's wall time, ``cost_model.workload_bound``) and the engine's per-step decode
+    fraction of the same run, against the same measured limits: within 20% of each other."""
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import workloads
+    from tokenmill.cost_model import ModelShape, workload_bound
+
+    engine = make_engine(hardware_limits="measure")
+    limits = engine.roofline.limits
+    shape = ModelShape.from_config(engine.loaded.config)
+    prompt = engine.tokenizer.encode_chat(workloads.CHAT_MESSAGES)
+    case = workloads.build("c", engine.tokenizer.vocab_size, prompt)
+    params = SamplingParams(max_tokens=case.max_tokens[0], temperature=0.0, ignore_eos=True)
+    engine.generate([list(case.prompts[0])], SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+    before_s, before_n = dict(engine.stats.roofline_step_s), dict(engine.stats.roofline_bound_s)
+    t0 = time.perf_counter()
+    engine.generate([list(case.prompts[0])], params)
+    elapsed_s = time.perf_counter() - t0
+    bound = workload_bound(shape, case.prompt_lens, case.max_tokens, limits.peak_flops, limits.peak_read_bw,
+                           engine.roofline.weight_bytes, engine.roofline.kv_bytes)  # fmt: skip
+    suite_fraction = bound.time_s / elapsed_s
+    decode = (engine.stats.roofline_bound_s["decode"] - before_n.get("decode", 0.0)) / (
+        engine.stats.roofline_step_s["decode"] - before_s.get("decode", 0.0)
+    )
+    print(f"\ncase (c): suite fraction {suite_fraction:.3f}, engine decode steps {decode:.3f}; {limits.describe()}")
+    assert abs(decode - suite_fraction) <= 0.2 * suite_fraction

@@ -1,15 +1,10 @@
-"""benchmarks/cost_model.py against FLOP and byte counts worked out by hand for a tiny Llama."""
+"""tokenmill/cost_model.py against FLOP and byte counts worked out by hand for a tiny Llama."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-# benchmarks/ is a folder of scripts next to src/, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.cost_model import (  # noqa: E402
+from tokenmill.cost_model import (
     SMOLLM2_135M,
     ModelShape,
     RowWork,

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-# benchmarks/ is a folder of scripts next to src/, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.hardware import bandwidth_probe_bytes, last_level_cache_bytes  # noqa: E402
+from tokenmill.model.hardware import bandwidth_probe_bytes, last_level_cache_bytes
 
 
 def _cache(root: Path, index: int, kind: str, size: str) -> None:

@@ -28,9 +28,10 @@ FLOORS: list[set[str]] = [
         "detokenizer",
         "engine_args",
         "traffic",
+        "cost_model",
     },  # fmt: skip
     {"cache"},
-    {"core", "stats"},
+    {"core", "stats", "roofline"},
     {"model", "structured_outputs"},
     {"worker"},
     {"engine"},

@@ -157,6 +157,8 @@ def _print_batching(result: Any, workload_name: str, config: Any, args: argparse
         print()
         print(format_batching_report(result.static, result.continuous, result.comparison))
         stats = result.engine_stats or {}
+        if result.roofline_limits is not None:
+            print(format_roofline(stats, result.roofline_limits))
         if stats.get("num_prefix_hit_tokens"):
             queried, hit = stats["num_prefix_queried_tokens"], stats["num_prefix_hit_tokens"]
             print(
@@ -171,6 +173,15 @@ def _print_batching(result: Any, workload_name: str, config: Any, args: argparse
                 f" tokens per verification row), waste {stats['spec_waste_fraction']:.1%} of decode positions "
                 f"(rejected proposals); accepted per position {stats['spec_accepted_per_pos']}"
             )
+
+
+def format_roofline(stats: dict[str, Any], limits: str) -> str:
+    """The engine's steps against the machine's limit, by kind (``tokenmill.roofline``)."""
+    fractions, counts = stats.get("roofline_fraction_by_kind") or {}, stats.get("num_roofline_steps") or {}
+    parts = [f"{kind} {fractions[kind]:.2f} ({counts.get(kind, 0)} steps)" for kind in sorted(fractions)]
+    return f"roofline (the engine's steps' least possible time / their wall time, limits {limits}): " + (
+        ", ".join(parts) or "no steps"
+    )
 
 
 # --- tables ------------------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ class ModelBatchingResult:
     device: str
     dtype: str
     num_kv_blocks: int  # the engine's pool
+    roofline_limits: str | None = None  # the machine's limits the engine's roofline used (--hardware-limits)
 
 
 def load_for_bench(config: EngineConfig) -> Any:
@@ -164,6 +165,7 @@ def compare_model_batching(
         device=str(loaded.device),
         dtype=str(loaded.dtype).removeprefix("torch."),
         num_kv_blocks=engine.num_total_blocks,
+        roofline_limits=engine.roofline.limits.describe() if engine.roofline is not None else None,
     )
 
 

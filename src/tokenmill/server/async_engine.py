@@ -342,6 +342,9 @@ class AsyncEngine:
                     result = engine.step()
                     if self.observers:
                         self.observers.on_step(start_s, self.clock(), engine.has_unfinished())
+                    self.metrics.observe_step(
+                        getattr(result, "roofline_kind", None), getattr(result, "roofline_fraction", None)
+                    )
                     self._dispatch(result.deltas, result.record)
                     busy = True
                     error = getattr(result, "error", None)

@@ -29,6 +29,7 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 _LONG_S = (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, *_LONG_S)
 ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, *_LONG_S)
+ROOFLINE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5)
 REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
 
 
@@ -207,6 +208,14 @@ class ServerMetrics:
         )
         self.engine_alive = self._gauge("tokenmill:engine_loop_alive", "1 while the engine loop runs.")
         self.free_blocks = self._gauge("tokenmill:kv_free_blocks", "Free blocks in the KV pool.")
+        self.step_roofline = Histogram(
+            "tokenmill:step_roofline_fraction",
+            "Each step's least possible time on this machine (its FLOPs and bytes at the measured or given "
+            "peaks) over its wall time, by step kind: 1 is the machine's limit (--hardware-limits).",
+            ("model_name", "kind"),
+            buckets=ROOFLINE_BUCKETS,
+            registry=self.registry,
+        )
         self.total_blocks = self._gauge("tokenmill:kv_total_blocks", "Blocks in the KV pool.")
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = ("model_name",)) -> Counter:
@@ -240,6 +249,12 @@ class ServerMetrics:
             self.engine_alive.labels(*labels).set(1.0 if alive else 0.0)
             self.free_blocks.labels(*labels).set(snap.num_free_blocks)
             self.total_blocks.labels(*labels).set(snap.num_total_blocks)
+
+    def observe_step(self, kind: str | None, roofline_fraction: float | None) -> None:
+        if kind is None or roofline_fraction is None:
+            return
+        with self.lock:
+            self.step_roofline.labels(self.model_name, kind).observe(roofline_fraction)
 
     def observe_requests(self, events: Iterable[RequestEvent]) -> None:
         name = self.model_name

@@ -11,7 +11,9 @@ threads and dtype could in principle reach:
   CPUs report a 480 MiB L3, where 256 MiB read partly from that cache and measured 34-43 GB/s against
   30-33 GB/s from memory (2 threads, Xeon under KVM, 2026-12-01).
 
-Run alone: ``python benchmarks/hardware.py [--device cuda]``.
+Run alone: ``python -m tokenmill.model.hardware [--device cuda]``. The suite measures with it
+(``benchmarks/suite.py``), and so does the engine at start with ``--hardware-limits measure`` (its per-step
+roofline fraction, ``tokenmill.roofline``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""Each engine step's fraction of the machine's limit: the FLOPs and bytes the step's rows cost (``cost_model``,
+from the model's shapes and the batch) at the machine's peaks, over the step's wall time. Pure Python.
+
+``bound_s = max(flops / peak_flops, bytes / peak_read_bw)`` is the least time any engine could take for the
+step's work on this machine; ``fraction = bound_s / step_s`` says how close this one came (1 is the limit).
+Steps are split by kind: ``decode`` (every row computes its next token), ``prefill`` (every row a prompt or a
+chunk of one) and ``mixed``. The limits are measured at start (``--hardware-limits measure``: matmul FLOP/s at
+the model's shapes and read bandwidth, as the suite measures them, ``model/hardware.py``) or given
+(``--hardware-limits GFLOPS,GBS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import parse_hardware_limits
+from tokenmill.cost_model import ModelShape, RowWork, forward_cost
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    peak_flops: float  # FLOP/s
+    peak_read_bw: float  # bytes/s
+    source: str = "given"
+
+    @classmethod
+    def parse(cls, text: str) -> MachineLimits:
+        """``"250,30"``: 250 GFLOP/s and 30 GB/s."""
+        return cls(*parse_hardware_limits(text), "given")
+
+    def describe(self) -> str:
+        return f"{self.peak_flops / 1e9:.1f} GFLOP/s, {self.peak_read_bw / 1e9:.1f} GB/s ({self.source})"
+
+
+def step_kind(rows: Sequence[Any]) -> str:
+    """``rows``: a step's ``ScheduledRow``s (non-empty)."""
+    prefill = sum(1 for r in rows if r.is_prefill)
+    return "prefill" if prefill == len(rows) else "decode" if prefill == 0 else "mixed"
+
+
+class StepRoofline:
+    """The bound of one step's rows on one machine, for one model as loaded (its bytes per weight and per KV
+    element)."""
+
+    def __init__(self, shape: ModelShape, limits: MachineLimits, weight_bytes: float, kv_bytes: float) -> None:
+        self.shape, self.limits = shape, limits
+        self.weight_bytes, self.kv_bytes = weight_bytes, kv_bytes
+
+    def bound_s(self, rows: Sequence[Any]) -> float:
+        # a row samples at its last position, a verification row (num_spec_tokens) at each of its positions
+        work = [
+            RowWork(
+                len(r.token_ids),
+                r.start_position + len(r.token_ids),
+                (len(r.token_ids) if r.num_spec_tokens else 1) if r.sample else 0,
+            )
+            for r in rows
+        ]
+        cost = forward_cost(self.shape, work, self.weight_bytes, self.kv_bytes)
+        return cost.time_s(self.limits.peak_flops, self.limits.peak_read_bw)
