@@ -39,11 +39,11 @@ from benchmarks.common import (  # noqa: E402
     embedded_gguf_path,
     pick_device,
 )
-from tokenmill.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
-from tokenmill.model import hardware  # noqa: E402
 from benchmarks.peers import HFContinuousRunner, HFStaticRunner, LlamaCppRunner, release_hf_models  # noqa: E402
 from benchmarks.tokenmill_runner import TokenmillRunner, measure_overhead  # noqa: E402
 from tokenmill import system_info  # noqa: E402
+from tokenmill.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
+from tokenmill.model import hardware  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_PEERS = ("hf", "hf_cb", "llamacpp")

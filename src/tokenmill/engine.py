@@ -31,13 +31,13 @@ from tokenmill.config import (
 )
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.cost_model import ModelShape
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import CONSTRAINT_FAILED, BadRequestError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.cost_model import ModelShape
 from tokenmill.roofline import MachineLimits, StepRoofline, step_kind
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
 
 Prompt = str | Sequence[int]

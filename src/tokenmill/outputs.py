@@ -76,7 +76,11 @@ class RequestMetrics:
     def mean_itl_s(self) -> float | None:
         """Mean time between successive tokens after the first."""
         decode = self.decode_time_s
-        return decode / (self.num_output_tokens - 1) if decode is not None and self.num_output_tokens > 1 else None
+        return (
+            decode / (self.num_output_tokens - 1)
+            if decode is not None and self.num_output_tokens > 1
+            else None
+        )
 
     @property
     def decode_tps(self) -> float | None:

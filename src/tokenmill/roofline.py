@@ -46,7 +46,9 @@ class StepRoofline:
     """The bound of one step's rows on one machine, for one model as loaded (its bytes per weight and per KV
     element)."""
 
-    def __init__(self, shape: ModelShape, limits: MachineLimits, weight_bytes: float, kv_bytes: float) -> None:
+    def __init__(
+        self, shape: ModelShape, limits: MachineLimits, weight_bytes: float, kv_bytes: float
+    ) -> None:
         self.shape, self.limits = shape, limits
         self.weight_bytes, self.kv_bytes = weight_bytes, kv_bytes
 

@@ -141,7 +141,9 @@ def parse_traffic(lines: Iterable[str], source: str = "<traffic>") -> Traffic:
             if header is not None:
                 raise ValueError(f"{source}:{number}: a second header")
             if body.get("version") != VERSION:
-                raise ValueError(f"{source}:{number}: version {body.get('version')!r}, this reader reads {VERSION}")
+                raise ValueError(
+                    f"{source}:{number}: version {body.get('version')!r}, this reader reads {VERSION}"
+                )
             header = body
         elif kind == "request":
             if header is None:
@@ -162,7 +164,9 @@ def parse_traffic(lines: Iterable[str], source: str = "<traffic>") -> Traffic:
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"{source}: the header's config lacks {', '.join(missing)}")
-    return Traffic(config=config, requests=requests, model=header.get("model"), started_at=header.get("started_at"))
+    return Traffic(
+        config=config, requests=requests, model=header.get("model"), started_at=header.get("started_at")
+    )
 
 
 def synthetic_prompt(

@@ -80,11 +80,15 @@ class Served:
         self.record_path = record_path
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test", timeout=120)
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://test", timeout=120
+        )
 
 
 @pytest.fixture(scope="module")
-def served(make_engine: Any, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(
+    make_engine: Any, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
     s = Served(make_engine(num_kv_blocks=256), receiver, tmp_path_factory.mktemp("rec") / "traffic.jsonl")
     s.async_engine.start()
     yield s
@@ -166,14 +170,22 @@ def test_timings_agree_with_the_engine_stats_under_preemption(make_engine: Any) 
 # --- tracing ------------------------------------------------------------------------------------------
 
 
-def test_spans_reach_the_otlp_receiver_with_vllm_attributes_and_parent(served: Served, receiver: Receiver) -> None:
+def test_spans_reach_the_otlp_receiver_with_vllm_attributes_and_parent(
+    served: Served, receiver: Receiver
+) -> None:
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
     async def go() -> dict[str, Any]:
         async with served.client() as c:
             r = await c.post(
                 "/v1/completions",
-                json={"model": "smollm2", "prompt": "Hello", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9},
+                json={
+                    "model": "smollm2",
+                    "prompt": "Hello",
+                    "max_tokens": 5,
+                    "temperature": 0.5,
+                    "top_p": 0.9,
+                },
                 headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
             )
             assert r.status_code == 200
@@ -199,9 +211,13 @@ def test_spans_reach_the_otlp_receiver_with_vllm_attributes_and_parent(served: S
     assert value("gen_ai.response.model") == "smollm2"
     m = body["metrics"]
     assert value("gen_ai.latency.time_in_queue") * 1000 == pytest.approx(m["queue_time_ms"], abs=1e-2)
-    assert value("gen_ai.latency.time_to_first_token") * 1000 == pytest.approx(m["time_to_first_token_ms"], abs=1e-2)
+    assert value("gen_ai.latency.time_to_first_token") * 1000 == pytest.approx(
+        m["time_to_first_token_ms"], abs=1e-2
+    )
     assert value("gen_ai.latency.e2e") * 1000 == pytest.approx(m["e2e_time_ms"], abs=1e-2)
-    assert (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6 == pytest.approx(m["e2e_time_ms"], abs=0.5)
+    assert (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6 == pytest.approx(
+        m["e2e_time_ms"], abs=0.5
+    )
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(served: Served, receiver: Receiver) -> None:
@@ -247,7 +263,10 @@ def test_replay_of_a_recorded_seed_run_reproduces_the_seed(make_engine: Any, tmp
 
     traffic = read_traffic(path)
     assert [r.num_output_tokens for r in traffic.requests] == limits  # in the order they arrived
-    assert all(r.num_prompt_tokens == 5 and r.prefix_keys == [] and r.arrival_iteration == 0 for r in traffic.requests)
+    assert all(
+        r.num_prompt_tokens == 5 and r.prefix_keys == [] and r.arrival_iteration == 0
+        for r in traffic.requests
+    )
     base = ReplayConfig.of(traffic)
     assert (base.num_kv_blocks, base.max_num_seqs, base.block_size) == (256, 8, 16)
     recorded = replay_unit(traffic, base)
@@ -312,9 +331,9 @@ def test_serve_flags_record_and_report_per_request_metrics(tmp_path: Path) -> No
     """``tokenmill serve --enable-per-request-metrics --record FILE``: the openai SDK sees ``metrics`` on a chat
     completion, ``bench serve`` prints the server's own timings, and after SIGTERM the file holds every request."""
     import openai
+    from serverproc import ServerProcess
 
     from tokenmill.bench.serve_bench import BenchConfig, format_report, run_benchmark, summarize
-    from tests.integration.serverproc import ServerProcess
 
     path = tmp_path / "traffic.jsonl"
     server = ServerProcess("--enable-per-request-metrics", "--record", str(path)).start()
@@ -373,7 +392,9 @@ def test_step_roofline_fraction_on_metrics(make_engine: Any) -> None:
     ae.start()
 
     async def go() -> None:
-        await collect(await ae.submit([([1000 + k for k in range(40)], SamplingParams(max_tokens=12, ignore_eos=True))]))
+        await collect(
+            await ae.submit([([1000 + k for k in range(40)], SamplingParams(max_tokens=12, ignore_eos=True))])
+        )
 
     asyncio.run(go())
     ae.stop()
@@ -399,6 +420,7 @@ def test_decode_roofline_agrees_with_the_suite_case_c(make_engine: Any) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import workloads
+
     from tokenmill.cost_model import ModelShape, workload_bound
 
     engine = make_engine(hardware_limits="measure")
@@ -418,5 +440,7 @@ def test_decode_roofline_agrees_with_the_suite_case_c(make_engine: Any) -> None:
     decode = (engine.stats.roofline_bound_s["decode"] - before_n.get("decode", 0.0)) / (
         engine.stats.roofline_step_s["decode"] - before_s.get("decode", 0.0)
     )
-    print(f"\ncase (c): suite fraction {suite_fraction:.3f}, engine decode steps {decode:.3f}; {limits.describe()}")
+    print(
+        f"\ncase (c): suite fraction {suite_fraction:.3f}, engine decode steps {decode:.3f}; {limits.describe()}"
+    )
     assert abs(decode - suite_fraction) <= 0.2 * suite_fraction

@@ -47,7 +47,9 @@ def test_prefix_keys_chain_and_salt() -> None:
     b = list(range(32)) + [99] * 8
     assert len(prefix_keys(a, 16)) == 2  # the 8-token tail is no block
     assert prefix_keys(a, 16) == prefix_keys(b, 16)  # same first 32 tokens
-    assert prefix_keys([5] + a[1:], 16)[1] != prefix_keys(a, 16)[1]  # chained: block 1's key depends on block 0
+    assert (
+        prefix_keys([5] + a[1:], 16)[1] != prefix_keys(a, 16)[1]
+    )  # chained: block 1's key depends on block 0
     assert prefix_keys(a, 16, salt="x") != prefix_keys(a, 16)
     assert all(len(k) == 16 for k in prefix_keys(a, 16))
 
@@ -94,7 +96,9 @@ def test_replay_reproduces_the_seed_and_its_pool_of_four(tmp_path: Path) -> None
 def test_preemption_and_recompute_are_counted() -> None:
     """Eight 40-token answers in a pool of 12 blocks of 16: the pool runs dry, requests are preempted and
     recomputed; every block comes back (replay_unit checks the pool's integrity)."""
-    requests = [TrafficRequest(f"r{i}", 0.0, 0.0, 20, [], 40, 40, "length", arrival_index=i) for i in range(8)]
+    requests = [
+        TrafficRequest(f"r{i}", 0.0, 0.0, 20, [], 40, 40, "length", arrival_index=i) for i in range(8)
+    ]
     traffic = Traffic(config={**CONFIG, "num_kv_blocks": 12}, requests=requests)
     r = replay_unit(traffic, ReplayConfig.of(traffic))
     d = r.as_dict()
@@ -143,7 +147,14 @@ def test_cli_prints_the_recorded_config_and_the_what_ifs_side_by_side(tmp_path: 
                  "--no-enable-prefix-caching", "--json", str(out_json)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     head = next(line for line in out.splitlines() if "recorded" in line and "num_kv_blocks=4" in line)
-    assert head.split() == ["recorded", "num_kv_blocks=4", "no", "prefix", "caching", "num_kv_blocks=4,reserve=worst_case"]
+    assert head.split() == [
+        "recorded",
+        "num_kv_blocks=4",
+        "no",
+        "prefix",
+        "caching",
+        "num_kv_blocks=4,reserve=worst_case",
+    ]
     iterations = next(line for line in out.splitlines() if line.startswith("iterations")).split()[1:]
     assert iterations == ["32", "36", "32", "40"]
     occupancy = next(line for line in out.splitlines() if line.startswith("occupancy")).split()[1:]

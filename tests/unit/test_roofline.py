@@ -34,7 +34,10 @@ def test_a_decode_step_is_bound_by_its_bytes() -> None:
 def test_a_prefill_step_is_bound_by_its_flops() -> None:
     limits = MachineLimits(peak_flops=1e3, peak_read_bw=1e12)
     roof = StepRoofline(SHAPE, limits, weight_bytes=4, kv_bytes=4)
-    rows = [row(0, 6, prefill=True), row(0, 4, sample=False, prefill=True)]  # the second is a chunk: no logits
+    rows = [
+        row(0, 6, prefill=True),
+        row(0, 4, sample=False, prefill=True),
+    ]  # the second is a chunk: no logits
     pairs = 6 * 7 // 2 + 4 * 5 // 2
     flops = 2 * P_MM * 10 + 4 * 1 * 2 * 2 * pairs + 2 * P_HEAD * 1
     assert roof.bound_s(rows) == pytest.approx(flops / 1e3)

@@ -165,3 +165,31 @@ def test_client_counts_failures() -> None:
     results, _, _ = asyncio.run(run_benchmark(cfg, transport=httpx.MockTransport(server)))
     failed = [r for r in results if not r.success]
     assert len(failed) == 2 and all("429" in (r.error or "") for r in failed)
+
+
+def test_random_range_ratio_and_prefix_len_shape_the_prompts() -> None:
+    """vLLM's random-dataset knobs: lengths uniform in [n(1-r), n(1+r)], and a prefix every prompt shares."""
+    import asyncio
+    import random
+
+    import httpx
+
+    from tokenmill.bench.serve_bench import BenchConfig, make_prompts
+
+    cfg = BenchConfig(base_url="http://x", num_prompts=200, input_len=100, output_len=40, random_range_ratio=0.5,
+                      random_prefix_len=32)  # fmt: skip
+    lengths = cfg.lengths()
+    assert lengths == cfg.lengths()  # reproducible
+    assert all(50 <= n <= 150 and 20 <= m <= 60 for n, m in lengths)
+    assert len({n for n, _ in lengths}) > 20 and len({m for _, m in lengths}) > 10
+
+    async def go() -> list[list[int]]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(404))  # no /tokenize: fallback ids
+        async with httpx.AsyncClient(base_url="http://x", transport=transport) as client:
+            return await make_prompts(client, cfg, "m", random.Random(0))
+
+    prompts = asyncio.run(go())
+    assert [len(p) for p in prompts] == [32 + n for n, _ in lengths]
+    assert all(p[:32] == prompts[0][:32] for p in prompts) and len({tuple(p[32:40]) for p in prompts}) > 190
+    with pytest.raises(ValueError, match="random_range_ratio"):
+        BenchConfig(base_url="http://x", random_range_ratio=1.0)

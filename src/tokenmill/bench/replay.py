@@ -27,7 +27,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.timing import ContinuousTiming, IterationOutcome, UnitClock, time_continuous_run
@@ -71,7 +71,9 @@ class ReplayConfig:
     def with_changes(self, changes: dict[str, Any]) -> ReplayConfig:
         unknown = set(changes) - set(self.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown what-if settings {sorted(unknown)}; known: {sorted(self.__dataclass_fields__)}")
+            raise ValueError(
+                f"unknown what-if settings {sorted(unknown)}; known: {sorted(self.__dataclass_fields__)}"
+            )
         return dataclasses.replace(self, **changes)
 
 
@@ -310,11 +312,15 @@ def format_replay_table(results: Sequence[ReplayResult], traffic: Traffic) -> st
         f"replay of {len(traffic.requests)} recorded requests over {traffic.duration_s:.0f} s"
         f" (model {traffic.model}, recorded {traffic.started_at}); unit clock: counts hold on any machine;"
         f" block size {first.config.block_size}"
-        + (f"; {first.num_skipped} ended before their first token, not replayed" if first.num_skipped else ""),
+        + (
+            f"; {first.num_skipped} ended before their first token, not replayed" if first.num_skipped else ""
+        ),
         " " * label_w + "  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)),
     ]
     for name, cells in rows:
-        lines.append(name.ljust(label_w) + "  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+        lines.append(
+            name.ljust(label_w) + "  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+        )
     return "\n".join(lines)
 
 
@@ -365,15 +371,30 @@ async def replay_live(
 
 def add_bench_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a recording from `tokenmill serve --record FILE`")
-    parser.add_argument("--num-kv-blocks", default=None, help="what-ifs: pool sizes, comma-separated (one column each)")
+    parser.add_argument(
+        "--num-kv-blocks", default=None, help="what-ifs: pool sizes, comma-separated (one column each)"
+    )
     parser.add_argument("--max-num-seqs", default=None, help="what-ifs: batch widths, comma-separated")
-    parser.add_argument("--max-num-batched-tokens", default=None, help="what-ifs: token budgets, comma-separated")
-    parser.add_argument("--reserve", default=None, choices=["none", "worst_case"], help="what-if: admission policy")
+    parser.add_argument(
+        "--max-num-batched-tokens", default=None, help="what-ifs: token budgets, comma-separated"
+    )
+    parser.add_argument(
+        "--reserve", default=None, choices=["none", "worst_case"], help="what-if: admission policy"
+    )
     parser.add_argument("--no-enable-prefix-caching", action="store_true", help="what-if: prefix caching off")
-    parser.add_argument("--what-if", action="append", default=[], metavar="K=V[,K=V]",
-                        help="a what-if changing several settings at once, e.g. num_kv_blocks=64,max_num_seqs=16")
-    parser.add_argument("--live", metavar="URL", default=None,
-                        help="replay against this running server at the recorded arrival times instead")
+    parser.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="a what-if changing several settings at once, e.g. num_kv_blocks=64,max_num_seqs=16",
+    )
+    parser.add_argument(
+        "--live",
+        metavar="URL",
+        default=None,
+        help="replay against this running server at the recorded arrival times instead",
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="--live: arrivals this many times faster")
     parser.add_argument("--api-key", default=None, help="--live: the server's API key")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")  # fmt: skip

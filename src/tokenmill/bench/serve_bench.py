@@ -78,15 +78,32 @@ class BenchConfig:
     slo_tpot_ms: float | None = None
     slo_e2el_ms: float | None = None
     timeout_s: float = 600.0
+    # vLLM's random dataset knobs: lengths uniform in [len * (1 - r), len * (1 + r)]; a prefix every prompt shares
+    random_range_ratio: float = 0.0
+    random_prefix_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
+        if self.random_prefix_len < 0:
+            raise ValueError(f"random_prefix_len must be >= 0, got {self.random_prefix_len}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """Each request's (prompt length after the shared prefix, output length); their own generator, so the
+        prompts' draws stay as they were without ``random_range_ratio``."""
+        r, rng = self.random_range_ratio, random.Random(self.seed + 7919)
+
+        def draw(n: int) -> int:
+            return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r)))) if r else n
+
+        return [(draw(self.input_len), draw(self.output_len)) for _ in range(self.num_prompts)]
 
 
 # --- pure parts ------------------------------------------------------------------------------------------
@@ -158,6 +175,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, cfg: BenchCon
         "max_concurrency": cfg.max_concurrency,
         "input_len": cfg.input_len,
         "output_len": cfg.output_len,
+        "random_range_ratio": cfg.random_range_ratio,
+        "random_prefix_len": cfg.random_prefix_len,
         "duration_s": duration_s,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
@@ -206,7 +225,9 @@ def format_report(s: dict[str, Any]) -> str:
         row("Failed requests:", s["failed"]),
         row("Request rate (req/s):", s["request_rate"]),
         row("Max concurrency:", s["max_concurrency"] or "none"),
-        row("Input / output tokens per request:", f"{s['input_len']} / {s['output_len']}"),
+        row("Input / output tokens per request:", f"{s['input_len']} / {s['output_len']}"
+            + (f" (x 1 +- {s['random_range_ratio']:g})" if s.get("random_range_ratio") else "")),
+        *([row("Shared prefix tokens:", s["random_prefix_len"])] if s.get("random_prefix_len") else []),
         row("Benchmark duration (s):", s["duration_s"]),
         row("Total input tokens:", s["total_input_tokens"]),
         row("Total generated tokens:", s["total_output_tokens"]),
@@ -235,7 +256,9 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"{'-' * 4} {title} {'-' * max(1, 47 - len(title))}")
         for key in SERVER_TIMES_MS:
             label = key.removesuffix("_ms").replace("_", " ").capitalize()
-            lines.append(row(f"{label} mean / p99 (ms):", f"{server[key]['mean']:.1f} / {server[key]['p99']:.1f}"))
+            lines.append(
+                row(f"{label} mean / p99 (ms):", f"{server[key]['mean']:.1f} / {server[key]['p99']:.1f}")
+            )
         lines.append(row("Cached prompt tokens:", server["num_cached_tokens"]))
         lines.append(row("Preemptions / recomputed tokens:",
                          f"{server['num_preemptions']} / {server['num_recomputed_tokens']}"))  # fmt: skip
@@ -258,7 +281,8 @@ async def _fetch_model(client: httpx.AsyncClient) -> str:
 async def make_prompts(
     client: httpx.AsyncClient, cfg: BenchConfig, model: str, rng: random.Random
 ) -> list[list[int]]:
-    """``num_prompts`` prompts of exactly ``input_len`` token ids, each a window of the tokenized seed text."""
+    """``num_prompts`` prompts of ``input_len`` token ids (or as ``cfg.lengths()`` draws them, after the shared
+    ``random_prefix_len`` ones), each a window of the tokenized seed text."""
     try:
         r = await client.post(
             "/tokenize", json={"model": model, "prompt": SEED_TEXT, "add_special_tokens": False}
@@ -267,23 +291,31 @@ async def make_prompts(
         pool = [int(t) for t in r.json()["tokens"]]
     except (httpx.HTTPError, KeyError, ValueError):
         pool = []
+    lengths = [n for n, _ in cfg.lengths()]
     if len(pool) < 8:
         lo, hi = FALLBACK_TOKEN_RANGE
-        return [[rng.randrange(lo, hi) for _ in range(cfg.input_len)] for _ in range(cfg.num_prompts)]
+        prefix = [rng.randrange(lo, hi) for _ in range(cfg.random_prefix_len)]
+        return [prefix + [rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
+    prefix = [pool[i % len(pool)] for i in range(cfg.random_prefix_len)]
     prompts = []
-    for _ in range(cfg.num_prompts):
+    for n in lengths:
         start = rng.randrange(len(pool))
-        prompts.append([pool[(start + i) % len(pool)] for i in range(cfg.input_len)])
+        prompts.append(prefix + [pool[(start + i) % len(pool)] for i in range(n)])
     return prompts
 
 
 async def send_one(
-    client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: list[int], t0: float
+    client: httpx.AsyncClient,
+    cfg: BenchConfig,
+    model: str,
+    prompt: list[int] | str,
+    t0: float,
+    max_tokens: int | None = None,
 ) -> RequestResult:
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": cfg.output_len,
+        "max_tokens": max_tokens or cfg.output_len,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
@@ -352,16 +384,20 @@ async def run_benchmark(
         gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         t0 = time.perf_counter()
 
-        async def launch(prompt: list[int], at_s: float) -> RequestResult:
+        outputs = [n for _, n in cfg.lengths()]
+
+        async def launch(prompt: list[int], at_s: float, max_tokens: int) -> RequestResult:
             delay = t0 + at_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if gate is None:
-                return await send_one(client, cfg, model, prompt, t0)
+                return await send_one(client, cfg, model, prompt, t0, max_tokens)
             async with gate:
-                return await send_one(client, cfg, model, prompt, t0)
+                return await send_one(client, cfg, model, prompt, t0, max_tokens)
 
-        results = await asyncio.gather(*(launch(p, at) for p, at in zip(prompts, arrivals, strict=True)))
+        results = await asyncio.gather(
+            *(launch(p, at, n) for p, at, n in zip(prompts, arrivals, outputs, strict=True))
+        )
         duration_s = time.perf_counter() - t0
     return list(results), duration_s, model
 
@@ -392,6 +428,15 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)"
     )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's: input and output lengths uniform in [len * (1 - r), len * (1 + r)] (default 0: fixed)",
+    )
+    parser.add_argument(
+        "--random-prefix-len", type=int, default=0, help="vLLM's: tokens every prompt starts with (shared)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on time to first token")
     parser.add_argument(
@@ -421,6 +466,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         input_len=args.input_len,
         output_len=args.output_len,
         seed=args.seed,
+        random_range_ratio=args.random_range_ratio,
+        random_prefix_len=args.random_prefix_len,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         slo_e2el_ms=args.slo_e2el_ms,

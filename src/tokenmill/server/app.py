@@ -40,8 +40,8 @@ from tokenmill.server.common import (
     ApiError,
     ServerState,
 )
-from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.observers import current_trace_headers
+from tokenmill.server.response_store import ResponseStore
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 8 << 20

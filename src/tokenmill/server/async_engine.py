@@ -432,7 +432,12 @@ class AsyncEngine:
                 )
                 added.append(request_id)
                 record = AddedRequest(
-                    request_id, token_ids, params, command.arrival_s, command.cache_salt, command.trace_headers
+                    request_id,
+                    token_ids,
+                    params,
+                    command.arrival_s,
+                    command.cache_salt,
+                    command.trace_headers,
                 )
                 self._tracked[request_id] = _Tracked(group, index, command.arrival_s, record)
                 if self.observers:

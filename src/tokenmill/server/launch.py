@@ -287,7 +287,9 @@ def _observers(args: argparse.Namespace, engine: Any, served_name: str) -> list[
         from tokenmill.server.recorder import TrafficRecorder
 
         observers.append(TrafficRecorder(args.record, engine, served_name, record_text=args.record_text))
-        logger.info("recording traffic to %s%s", args.record, " (with prompt text)" if args.record_text else "")
+        logger.info(
+            "recording traffic to %s%s", args.record, " (with prompt text)" if args.record_text else ""
+        )
     return observers
 
 

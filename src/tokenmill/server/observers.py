@@ -10,8 +10,8 @@ watching never costs a request.
 from __future__ import annotations
 
 import logging
-from contextvars import ContextVar
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 

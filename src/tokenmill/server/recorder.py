@@ -54,7 +54,9 @@ class TrafficRecorder:
         self.record_text = record_text
         self.start_s = engine.clock()
         self.clock = IterationClock(self.start_s)
-        self._pending: dict[str, tuple[list[str], float, int]] = {}  # id -> (prefix keys, arrival iteration, index)
+        self._pending: dict[
+            str, tuple[list[str], float, int]
+        ] = {}  # id -> (prefix keys, arrival iteration, index)
         self._num_added = 0
         config = {
             "block_size": self.block_size,
@@ -66,7 +68,7 @@ class TrafficRecorder:
             "enable_prefix_caching": bool(engine.kv_manager.enable_caching),
         }
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open until close())
-        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         self.file.write(header_line(config, model, started) + "\n")
         self.file.flush()
 
@@ -99,7 +101,9 @@ class TrafficRecorder:
             num_preemptions=m.num_preemptions if m is not None else 0,
             time_to_first_token_s=m.time_to_first_token_s if m is not None else None,
             e2e_s=m.e2e_time_s if m is not None else None,
-            prompt=self.tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=False) if self.record_text else None,
+            prompt=self.tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=False)
+            if self.record_text
+            else None,
         )
         self.file.write(line.to_line() + "\n")
         self.file.flush()

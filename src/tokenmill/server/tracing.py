@@ -41,7 +41,9 @@ def make_exporter(endpoint: str) -> Any:
         elif protocol == "http/protobuf":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
         else:
-            raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc, got {protocol!r}")
+            raise ValueError(
+                f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc, got {protocol!r}"
+            )
     except ImportError as exc:
         raise ValueError(
             f"--otlp-traces-endpoint over {protocol} needs its OTLP exporter: pip install 'tokenmill[otel]'"
@@ -88,7 +90,9 @@ class RequestTracer:
             "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.n": 1,  # one span per engine request: each of n choices is its own
             "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
-            "gen_ai.usage.completion_tokens": m.num_output_tokens if m is not None else delta.num_output_tokens,
+            "gen_ai.usage.completion_tokens": m.num_output_tokens
+            if m is not None
+            else delta.num_output_tokens,
             "gen_ai.usage.cached_tokens": delta.num_cached_tokens,
             "gen_ai.response.finish_reasons": [delta.finish_reason or "stop"],
         }
