@@ -444,3 +444,34 @@ def test_decode_roofline_agrees_with_the_suite_case_c(make_engine: Any) -> None:
         f"\ncase (c): suite fraction {suite_fraction:.3f}, engine decode steps {decode:.3f}; {limits.describe()}"
     )
     assert abs(decode - suite_fraction) <= 0.2 * suite_fraction
+
+
+def test_request_histograms_are_the_per_request_metrics(make_engine: Any) -> None:
+    """vLLM's per-request histograms (prefill, decode, inference time; prompt and generation tokens) are observed
+    from the same RequestMetrics the response carries: their sums equal the requests' own numbers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ae = AsyncEngine(make_engine())
+    ae.start()
+
+    async def go() -> list[Any]:
+        params = SamplingParams(max_tokens=7, ignore_eos=True)
+        group = await ae.submit([([1000 + k for k in range(9 + i)], params) for i in range(3)])
+        return await collect(group)
+
+    results = asyncio.run(go())
+    ae.stop()
+    sums = {
+        s.name: s.value
+        for family in text_string_to_metric_families(ae.metrics.render())
+        for s in family.samples
+        if s.name.endswith("_sum")
+    }
+    ms = [r.metrics for r in results]
+    assert sums["vllm:request_prompt_tokens_sum"] == 9 + 10 + 11
+    assert sums["vllm:request_generation_tokens_sum"] == 21
+    assert sums["vllm:request_prefill_time_seconds_sum"] == pytest.approx(sum(m.prefill_time_s for m in ms))
+    assert sums["vllm:request_decode_time_seconds_sum"] == pytest.approx(sum(m.decode_time_s for m in ms))
+    assert sums["vllm:request_inference_time_seconds_sum"] == pytest.approx(
+        sum(m.prefill_time_s + m.decode_time_s for m in ms)
+    )

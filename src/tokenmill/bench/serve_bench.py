@@ -225,8 +225,11 @@ def format_report(s: dict[str, Any]) -> str:
         row("Failed requests:", s["failed"]),
         row("Request rate (req/s):", s["request_rate"]),
         row("Max concurrency:", s["max_concurrency"] or "none"),
-        row("Input / output tokens per request:", f"{s['input_len']} / {s['output_len']}"
-            + (f" (x 1 +- {s['random_range_ratio']:g})" if s.get("random_range_ratio") else "")),
+        row(
+            "Input / output tokens per request:",
+            f"{s['input_len']} / {s['output_len']}"
+            + (f" (x 1 +- {s['random_range_ratio']:g})" if s.get("random_range_ratio") else ""),
+        ),
         *([row("Shared prefix tokens:", s["random_prefix_len"])] if s.get("random_prefix_len") else []),
         row("Benchmark duration (s):", s["duration_s"]),
         row("Total input tokens:", s["total_input_tokens"]),

@@ -484,6 +484,7 @@ class AsyncEngine:
                     self.observers.on_finish(tracked.added, delta)
                 event.finish_reason = delta.finish_reason or "stop"
                 event.e2e_s = now_s - tracked.arrival_s
+                event.metrics = delta.metrics
             events.append(event)
             per_group.setdefault(tracked.group, []).append((tracked.index, delta))
         if num_finished:

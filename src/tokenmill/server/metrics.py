@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenmill.outputs import RequestMetrics
 from tokenmill.stats import EngineStats
 
 prometheus_client.disable_created_metrics()
@@ -29,6 +30,7 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 _LONG_S = (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, *_LONG_S)
 ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, *_LONG_S)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 ROOFLINE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5)
 REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
 
@@ -156,8 +158,18 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)  # every series exists, at 0, from the start
         for counter in (self.prompt_tokens, self.generation_tokens, self.queue_rejections):
             counter.labels(model_name)
-        for hist in (self.ttft, self.itl, self.e2e, self.queue_time):
-            hist.labels(model_name)
+        for hist in (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.prefill_time,
+            self.decode_time,
+            self.inference_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+        ):
+            hist.labels(model_name)  # fmt: skip
         self.update_engine(EngineSnapshot(), num_in_flight=0, alive=True)
 
     def _add_vllm_series(self) -> None:
@@ -189,6 +201,22 @@ class ServerMetrics:
         )
         self.queue_time = self._histogram(
             "vllm:request_queue_time_seconds", "Arrival to first admission into the batch.", REQUEST_BUCKETS_S
+        )
+        # per finished request, from the engine's RequestMetrics (the same numbers --enable-per-request-metrics sends)
+        self.prefill_time = self._histogram(
+            "vllm:request_prefill_time_seconds", "First admission to the first token.", REQUEST_BUCKETS_S
+        )
+        self.decode_time = self._histogram(
+            "vllm:request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS_S
+        )
+        self.inference_time = self._histogram(
+            "vllm:request_inference_time_seconds", "First admission to the last token.", REQUEST_BUCKETS_S
+        )
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS
         )
 
     def _add_tokenmill_series(self) -> None:
@@ -250,6 +278,19 @@ class ServerMetrics:
             self.free_blocks.labels(*labels).set(snap.num_free_blocks)
             self.total_blocks.labels(*labels).set(snap.num_total_blocks)
 
+    def _observe_finished(self, m: RequestMetrics) -> None:
+        name = self.model_name
+        self.request_prompt_tokens.labels(name).observe(m.num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(m.num_output_tokens)
+        for hist, value in (
+            (self.prefill_time, m.prefill_time_s),
+            (self.decode_time, m.decode_time_s),
+            (self.inference_time, None if m.prefill_time_s is None or m.decode_time_s is None
+             else m.prefill_time_s + m.decode_time_s),
+        ):  # fmt: skip
+            if value is not None:
+                hist.labels(name).observe(value)
+
     def observe_step(self, kind: str | None, roofline_fraction: float | None) -> None:
         if kind is None or roofline_fraction is None:
             return
@@ -274,6 +315,8 @@ class ServerMetrics:
                     self.request_success.labels(name, ev.finish_reason).inc()
                     if ev.e2e_s is not None:
                         self.e2e.labels(name).observe(ev.e2e_s)
+                    if ev.metrics is not None:
+                        self._observe_finished(ev.metrics)
 
     # --- HTTP thread ---------------------------------------------------------------------------------
     def set_build_info(self, info: Mapping[str, Any]) -> None:
@@ -314,3 +357,4 @@ class RequestEvent:
     itl_s: float | None = None
     finish_reason: str | None = None
     e2e_s: float | None = None
+    metrics: RequestMetrics | None = None  # the engine's, with the finish
