@@ -179,3 +179,11 @@ def test_iteration_clock_counts_idle_gaps_in_mean_steps() -> None:
     assert clock.now(6.2) == pytest.approx(12.0)  # 1 s idle = 10 mean steps
     clock.step(6.2, 6.3, has_work=True)
     assert clock.now(6.3) == pytest.approx(13.0)  # busy: steps count, the gap is kept
+
+
+def test_record_and_tracing_are_refused_with_ray_replicas(tmp_path: Path, capsys) -> None:
+    for flag, value in (("--record", str(tmp_path / "r.jsonl")), ("--otlp-traces-endpoint", "http://x:4318")):
+        assert main(["serve", "--ray", flag, value]) == 2
+        assert f"{flag} is not supported with --ray" in capsys.readouterr().err
+    assert main(["serve", "--record-text"]) == 2  # --record-text alone asks for nothing it could do
+    assert "--record-text needs --record" in capsys.readouterr().err

@@ -173,6 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "--ray: start the replicas with `tokenmill serve --ray` (tokenmill.serving.ray_serve)"
         )
+    if args.record_text and not args.record:
+        raise ValueError("--record-text needs --record FILE")
     import uvicorn
 
     from tokenmill.server.http_protocol import protocol_class
@@ -276,8 +278,6 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
 def _observers(args: argparse.Namespace, engine: Any, served_name: str) -> list[Any]:
     """The traffic recorder (--record) and the tracer (--otlp-traces-endpoint), as asked."""
     observers: list[Any] = []
-    if args.record_text and not args.record:
-        raise ValueError("--record-text needs --record FILE")
     if args.otlp_traces_endpoint:
         from tokenmill.server.tracing import RequestTracer
 

@@ -61,6 +61,7 @@ def build_deployment(
     num_cpus_per_replica: float = 1.0,
     served_model_name: str | None = None,
     max_queue: int = 256,
+    enable_per_request_metrics: bool = False,
 ) -> Any:
     """A bound Ray Serve application of ``num_replicas`` engines (autoscaling up to ``max_replicas`` when that
     is larger). ``engine_kwargs`` are ``EngineConfig`` fields, applied in every replica."""
@@ -103,7 +104,10 @@ def build_deployment(
         def __serve_build_asgi_app__(self) -> Any:
             from tokenmill.server.app import build_app
 
-            return _ReplicaHeader(build_app(self.async_engine, self.served_name), self.tag)
+            app = build_app(
+                self.async_engine, self.served_name, enable_per_request_metrics=enable_per_request_metrics
+            )
+            return _ReplicaHeader(app, self.tag)
 
     return TokenmillReplica.bind()
 
@@ -128,6 +132,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from tokenmill.engine_args import engine_config_from_args
 
+    for flag, value in (("--record", args.record), ("--otlp-traces-endpoint", args.otlp_traces_endpoint)):
+        if value:  # one file or exporter per replica is not built: refused, not ignored
+            raise ValueError(f"{flag} is not supported with --ray (run `tokenmill serve` without --ray)")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -140,6 +147,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         num_cpus_per_replica=args.num_cpus_per_replica,
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
+        enable_per_request_metrics=args.enable_per_request_metrics,
     )
     logging.getLogger("tokenmill.server").info(
         "serving %d replica(s) on Ray Serve at http://%s:%d", args.num_replicas, args.host, args.port
