@@ -446,4 +446,5 @@ def _write_json(path: str | None, body: Any) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(body, f, indent=2)
+        sys.stdout.flush()
         print(f"wrote {path}", file=sys.stderr)
