@@ -138,6 +138,7 @@ class ReplayResult:
             "occupancy": t.occupancy,
             "idle_fraction_by_reason": t.idle_fraction_by_reason,
             "num_preemptions": t.num_preemptions,
+            "num_computed_tokens": self.num_computed_tokens,
             "num_recomputed_tokens": self.num_recomputed_tokens,
             "recompute_waste": self.num_recomputed_tokens / self.num_computed_tokens if self.num_computed_tokens else 0.0,
             "prefix_hit_rate": self.num_prefix_hit_tokens / self.num_prefix_queried_tokens if self.num_prefix_queried_tokens else 0.0,
@@ -295,6 +296,7 @@ def format_replay_table(results: Sequence[ReplayResult], traffic: Traffic) -> st
         ("occupancy", [f"{d['occupancy']:.3f}" for d in dicts]),
         *((f"idle: {reason}", [f"{d['idle_fraction_by_reason'].get(reason, 0.0):.3f}" for d in dicts])
           for reason in reasons),
+        ("tokens computed", [str(d["num_computed_tokens"]) for d in dicts]),
         ("preemptions", [str(d["num_preemptions"]) for d in dicts]),
         ("recomputed tokens", [str(d["num_recomputed_tokens"]) for d in dicts]),
         ("recompute waste", [f"{d['recompute_waste']:.3f}" for d in dicts]),
