@@ -101,6 +101,33 @@ def test_previous_response_id_continues_and_counts_cached_tokens(client: openai.
     assert client.responses.retrieve(second.id).output_text == second.output_text
 
 
+def test_input_items_list_the_chain_through_the_sdk(
+    client: openai.OpenAI, served: str, server: ServerProcess
+) -> None:
+    first = client.responses.create(model=served, input="My name is Ada.", max_output_tokens=6, temperature=0)
+    second = client.responses.create(
+        model=served,
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0,
+    )
+    asc = client.responses.input_items.list(second.id, order="asc")
+    kinds = [(item.type, getattr(item, "role", None)) for item in asc.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert asc.data[0].content[0].text == "My name is Ada."
+    assert asc.data[1].id == first.output[0].id  # the earlier answer keeps its own id
+    assert asc.data[2].content[0].text == "What is my name?"
+    desc = client.responses.input_items.list(second.id)  # OpenAI's default order: newest first
+    assert [i.id for i in desc.data] == [i.id for i in reversed(asc.data)]
+    page = client.responses.input_items.list(second.id, order="asc", limit=1, after=asc.data[0].id)
+    assert [i.id for i in page.data] == [asc.data[1].id] and page.has_more
+    bad = httpx.get(f"{server.base_url}/v1/responses/{second.id}/input_items", params={"limit": "0"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_retrieve_delete_and_not_found(client: openai.OpenAI, served: str, server: ServerProcess) -> None:
     r = client.responses.create(model=served, input="Hi", max_output_tokens=4)
     assert client.responses.retrieve(r.id).id == r.id

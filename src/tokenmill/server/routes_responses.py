@@ -106,6 +106,59 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
     return JSONResponse(stored.response)
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(request: Request, response_id: str) -> Response:
+    """The items that were this response's input, its chain's earlier turns included (what the model saw besides
+    ``instructions``), as OpenAI's list: ``limit`` (1-100, 20), ``order`` (``desc``, the default, or ``asc``),
+    ``after`` (an item id); ``include`` is refused (nothing it names is kept)."""
+    query = request.query_params
+    for name in query:
+        if name not in ("limit", "order", "after"):
+            raise ApiError.bad_request(f"query parameter {name!r} is not supported", param=name)
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise ApiError.bad_request(
+            f"limit must be an integer from 1 to 100, got {limit_text!r}", param="limit"
+        )
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError.bad_request(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    stored = get_state(request).response_store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    num_inputs = len(stored.conversation) - len(stored.response.get("output") or [])
+    items = [_listed_item(item, response_id, i) for i, item in enumerate(stored.conversation[:num_inputs])]
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError.bad_request(
+                f"after: no input item {after!r} in response {response_id!r}", param="after"
+            )
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit_text)]
+    return JSONResponse({
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page),
+    })  # fmt: skip
+
+
+def _listed_item(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """A stored input item as OpenAI lists it: a type, an id (given one where the client sent none), a message's
+    text as content parts."""
+    out = dict(item)
+    out.setdefault("type", "message")
+    out.setdefault(
+        "id", f"{'msg' if out['type'] == 'message' else 'item'}_{response_id.removeprefix('resp_')}_{index}"
+    )
+    if out["type"] == "message" and isinstance(out.get("content"), str):
+        kind = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": kind, "text": out["content"]}]
+    return out
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
     _refuse_query(request)
