@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -534,6 +534,31 @@ def validation_error_to_param(exc: ValidationError) -> ParamError:
     elif param:
         message = f"{param}: {message}"
     return ParamError(message, param=param)
+
+
+ToolT = TypeVar("ToolT", bound=BaseModel)
+
+
+def validate_tools(
+    raw_tools: list[Any] | None, model: type[ToolT], kinds: tuple[str | None, ...], refusal: str, index: str
+) -> list[ToolT]:
+    """Each tool of a Responses or Messages request as ``model``: one whose ``type`` is not in ``kinds`` is a
+    ParamError (``refusal`` says why), as is one ``model`` does not validate; ``index`` writes the path of tool
+    ``i`` (``"tools[{i}]"`` for OpenAI, ``"tools.{i}"`` for Anthropic)."""
+    tools = []
+    for i, raw in enumerate(raw_tools or []):
+        where = index.format(i=i)
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind not in kinds:
+            raise ParamError(
+                f"{where}.type: tool type {kind!r} is not supported ({refusal})", param=f"{where}.type"
+            )
+        try:
+            tools.append(model.model_validate(raw))
+        except ValidationError as exc:
+            inner = validation_error_to_param(exc)
+            raise ParamError(f"{where}.{inner.message}", param=f"{where}.{inner.param}") from None
+    return tools
 
 
 def _is_type_tag(part: str) -> bool:

@@ -14,7 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from tokenmill.server.protocol import ChatCompletionRequest, ParamError, _Request, validation_error_to_param
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    ParamError,
+    _Request,
+    validate_tools,
+    validation_error_to_param,
+)
 
 
 class TextBlock(_Request):
@@ -148,20 +154,10 @@ class _MessagesBase(_Request):
     cache_control: dict[str, Any] | None = None  # every prompt's prefix is cached here
 
     def function_tools(self) -> list[Tool]:
-        tools = []
-        for i, raw in enumerate(self.tools or []):
-            kind = raw.get("type") if isinstance(raw, dict) else None
-            if kind not in (None, "custom"):
-                raise ParamError(
-                    f"tools.{i}.type: tool type {kind!r} is not supported (client tools with input_schema "
-                    "only; server tools run on Anthropic's side)", param=f"tools.{i}.type",
-                )  # fmt: skip
-            try:
-                tools.append(Tool.model_validate(raw))
-            except ValidationError as exc:
-                inner = validation_error_to_param(exc)
-                raise ParamError(f"tools.{i}.{inner.message}", param=f"tools.{i}.{inner.param}") from None
-        return tools
+        return validate_tools(
+            self.tools, Tool, (None, "custom"),
+            "client tools with input_schema only; server tools run on Anthropic's side", "tools.{i}",
+        )  # fmt: skip
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: the system prompt first; a user turn's tool results become

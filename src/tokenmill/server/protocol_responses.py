@@ -18,6 +18,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ParamError,
     _Request,
+    validate_tools,
     validation_error_to_param,
 )
 
@@ -204,20 +205,10 @@ class ResponsesRequest(_Request):
     cache_salt: str | None = None
 
     def function_tools(self) -> list[FunctionTool]:
-        tools = []
-        for i, tool in enumerate(self.tools or []):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ParamError(
-                    f"tools[{i}].type: tool type {kind!r} is not supported (tokenmill runs function tools only; "
-                    "built-in tools such as web_search are OpenAI's)", param=f"tools[{i}].type",
-                )  # fmt: skip
-            try:
-                tools.append(FunctionTool.model_validate(tool))
-            except ValidationError as exc:
-                inner = validation_error_to_param(exc)
-                raise ParamError(f"tools[{i}].{inner.message}", param=f"tools[{i}].{inner.param}") from None
-        return tools
+        return validate_tools(
+            self.tools, FunctionTool, ("function",),
+            "tokenmill runs function tools only; built-in tools such as web_search are OpenAI's", "tools[{i}]",
+        )  # fmt: skip
 
     def check(self) -> None:
         """What the pydantic fields cannot say; ParamError naming the field."""
