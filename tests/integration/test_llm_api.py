@@ -73,6 +73,8 @@ def test_cli_chat_streams_an_answer():
             "24",
             "--num-kv-blocks",
             "64",
+            "--temperature",
+            "0",  # the 135M's sampled answer says Paris for about 60% of seeds; its greedy one does
         ],
         capture_output=True,
         text=True,
