@@ -333,11 +333,9 @@ class Suite:
         import torch
 
         _log("measuring hardware limits ...")
-        s = self.shape
-        shapes = hardware.model_matmul_shapes(
-            s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab_size
+        limits = hardware.measure_model(
+            self.shape, self.device, getattr(torch, self.dtype), quick=self.args.quick
         )
-        limits = hardware.measure(self.device, getattr(torch, self.dtype), shapes, quick=self.args.quick)
         _log(limits.describe())
         return limits
 

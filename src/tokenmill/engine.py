@@ -220,11 +220,7 @@ class Engine:
         if spec == "measure":
             from tokenmill.model import hardware
 
-            s = shape
-            shapes = hardware.model_matmul_shapes(
-                s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab_size
-            )
-            measured = hardware.measure(self.loaded.device, torch.float32, shapes, quick=True)
+            measured = hardware.measure_model(shape, self.loaded.device, torch.float32, quick=True)
             limits = MachineLimits(measured.peak_flops, measured.peak_read_bw, "measured at start")
         else:
             limits = MachineLimits.parse(spec)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +212,16 @@ def measure(
         bandwidth_probe_bytes=bandwidth_bytes,
         last_level_cache_bytes=llc_bytes,
     )
+
+
+def measure_model(shape: Any, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                  quick: bool = False) -> HardwareLimits:  # fmt: skip
+    """:func:`measure` at a model's projection and LM-head shapes (``shape``: a ``cost_model.ModelShape``)."""
+    shapes = model_matmul_shapes(
+        shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+        shape.vocab_size,
+    )  # fmt: skip
+    return measure(device, dtype, shapes, quick=quick)
 
 
 def main() -> None:
