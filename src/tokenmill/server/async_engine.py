@@ -440,8 +440,6 @@ class AsyncEngine:
                     command.trace_headers,
                 )
                 self._tracked[request_id] = _Tracked(group, index, command.arrival_s, record)
-                if self.observers:
-                    self.observers.on_add(record, self.clock())
         except Exception as exc:
             for request_id in added:
                 self._engine.abort(request_id)
@@ -451,6 +449,10 @@ class AsyncEngine:
                 self._counters.num_in_flight -= len(group.request_ids)
             self._call(group, group._resolve, exc)
             return
+        if self.observers:  # only a group the engine took whole: a refused one never reaches them (no end)
+            now_s = self.clock()
+            for request_id in group.request_ids:
+                self.observers.on_add(self._tracked[request_id].added, now_s)
         self._call(group, group._resolve, None)
 
     def _dispatch(self, deltas: list[RequestDelta], record: Any) -> None:
