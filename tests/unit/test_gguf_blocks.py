@@ -13,7 +13,16 @@ import pytest
 import torch
 from tiny_models import random_blocks
 
-from tokenmill.model.gguf_blocks import FORMATS, LAYOUT_QUADS, QuantizedWeight, pack_groups, to_groups
+from tokenmill.model.gguf_blocks import (
+    FORMATS,
+    LAYOUT_FACTORED,
+    LAYOUT_INPUTS,
+    LAYOUT_QUADS,
+    QuantizedWeight,
+    factored,
+    pack_groups,
+    to_groups,
+)
 
 
 def reference(type_name: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
@@ -61,6 +70,54 @@ def test_kernel_rows_are_the_reference_rows(kernel_variant, type_name: str) -> N
     assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), expected[ids])
     with pytest.raises(RuntimeError, match="out of range"):
         kernel_variant.quant_rows(weight.data, weight.meta, torch.tensor([45]))
+
+
+K_QUANTS = [t for t in sorted(FORMATS) if _k(t) == 256]
+
+
+@pytest.mark.parametrize("type_name", K_QUANTS)
+def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, type_name: str) -> None:
+    """A K-quant's scales (and mins) kept as int8 multipliers of a unit per super-block (layout 2) against the
+    same groups with fp32 scales per group (layout 0): fewer bytes, the same weights, and the kernel's outputs the
+    same bits on every path (one row, a few rows in registers, an expanded panel) and in the row lookup."""
+    width = kernel_variant.quant_tile_rows()
+    in_features = 2 * 256
+    raw = random_blocks(type_name, width + 5, in_features, seed=11)
+    groups = to_groups(type_name, raw, in_features)
+    small = QuantizedWeight.from_groups([groups], width)
+    plain = QuantizedWeight.from_groups([groups._replace(scale_unit=None, min_unit=None)], width)
+    assert int(small.meta[0, 8]) == LAYOUT_FACTORED and int(plain.meta[0, 8]) == LAYOUT_INPUTS
+    # per row and group of g inputs: (1 or 2 fields) * 1 byte instead of 4, plus 4 bytes per field per 256 inputs
+    fields = 2 if FORMATS[type_name].has_min else 1
+    group = FORMATS[type_name].group
+    saved = fields * (3 * in_features // group - 4 * in_features // 256) * (2 * width)  # 2 tiles
+    assert plain.data.numel() - small.data.numel() == saved
+    assert torch.equal(small.dequantize(), plain.dequantize())
+    assert torch.equal(small.dequantize(), reference(type_name, raw, in_features))
+    x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(5))
+    for m in (1, 2, 3, 5, 8, 9, 40):
+        for once in (-1, 0):
+            assert torch.equal(
+                kernel_variant.quant_linear(x[:m], small.data, small.meta, expand_once_bytes=once),
+                kernel_variant.quant_linear(x[:m], plain.data, plain.meta, expand_once_bytes=once),
+            ), (m, once)
+    ids = torch.tensor([0, width + 4, 3, width], dtype=torch.int64)
+    assert torch.equal(
+        kernel_variant.quant_rows(small.data, small.meta, ids), kernel_variant.quant_rows(plain.data, plain.meta, ids)
+    )
+
+
+def test_scales_that_are_not_unit_multiples_keep_fp32_scales() -> None:
+    """Groups whose scales are not exactly their unit times an int8 (a nudged scale, a unit too small) take
+    layout 0: factoring never changes a weight."""
+    groups = to_groups("Q4_K", random_blocks("Q4_K", 8, 256, seed=2), 256)
+    assert factored(groups)
+    nudged = groups.scale.copy()
+    nudged[3, 2] = np.nextafter(nudged[3, 2], np.float32(np.inf))
+    assert not factored(groups._replace(scale=nudged))
+    assert not factored(groups._replace(scale_unit=groups.scale_unit / 1024))  # multipliers past int8
+    weight = QuantizedWeight.from_groups([groups._replace(scale=nudged)], 8)
+    assert int(weight.meta[0, 8]) == LAYOUT_INPUTS
 
 
 # (x rows, out, type): the embedded model's shapes and odd ones

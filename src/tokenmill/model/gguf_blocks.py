@@ -23,7 +23,7 @@ IQ4_XS    8 groups of 32 in 256, 6-bit scales, as IQ4_NL  8-bit table values, sc
 Every scale and min is an fp16 times a small integer, exact in fp32, and ``code * scale`` (+ ``min``) rounded
 once (one multiply or fused multiply-add in the kernel) is what the ``gguf`` package's ``dequantize`` computes
 too, so the kept weights are its values bit for bit: tests/unit/test_gguf_blocks.py checks this per type. The
-5-, 6-, 3- and 2-bit types and the IQ4 ones take a byte per weight here (1.06-1.5 bytes with the scales, against
+5-, 6-, 3- and 2-bit types and the IQ4 ones take a byte per weight here (1.05-1.25 bytes with the scales, against
 0.33-0.82 in the file): the one kernel layout for them is a byte, which keeps the kernel to five block formats.
 
 The layout (``csrc/quant_linear.h`` says why): output rows in tiles of the kernels' panel width W; per tile and
@@ -31,6 +31,13 @@ group, W fp32 scales, W fp32 mins (when the format has one), then for each input
 codes (4-bit: byte i holds row i low and row i + W/2 high). A :class:`QuantizedWeight` is one or more such
 parts stacked along the output rows, described by ``meta [P, 9]`` int64: (byte offset, rows, K, bits, group,
 has_min, first output row, W, layout).
+
+Layout 2 (the K-quants and IQ4_XS, whose every scale and min is the super-block's fp16 ``d`` or ``dmin`` times
+a small integer) keeps those integers instead of the fp32 products: per tile and super-block of 256 inputs, W fp32
+units (``d``, then ``-dmin``), then per group W int8 multipliers of each and the codes as in layout 0. The kernel
+multiplies unit by multiplier (exact in fp32: an fp16 times at most 8 bits), so the weights are the same values
+bit for bit, in 4.75 bits a weight for Q4_K instead of 6 (8.6 instead of 10 for Q6_K): what a decode step reads.
+:func:`factored` checks each tensor's products are exact before it takes this layout, else it keeps layout 0.
 
 Layout 1 (``int8_activations``, 4-bit parts only) keeps the same scales, mins and codes in another order, for
 the kernel that rounds the activations to 8 bits per group of 32 and multiplies with integer dot products
@@ -48,7 +55,7 @@ import numpy as np
 import torch
 
 QK_K = 256  # weights per K-quant super-block
-LAYOUT_INPUTS, LAYOUT_QUADS = 0, 1  # meta column 8
+LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_FACTORED = 0, 1, 2  # meta column 8
 
 
 class BlockFormat(NamedTuple):
@@ -80,19 +87,31 @@ QUANTIZED_TYPES = tuple(FORMATS)
 
 class Groups(NamedTuple):
     """One tensor's groups: ``codes [rows, G, group]`` uint8, one per weight (0..15 for 4 bits; int8 values as
-    their bytes for 8), ``scale`` and ``min`` ``[rows, G]`` float32 (``min`` None when the format has none)."""
+    their bytes for 8), ``scale`` and ``min`` ``[rows, G]`` float32 (``min`` None when the format has none).
+
+    A K-quant's scales (and mins) are a super-block's fp16 ``d`` (``dmin``) times a small integer per group:
+    ``scale_unit`` (``min_unit``) ``[rows, G * group / 256]`` float32 holds that fp16 value per super-block of
+    256 inputs (negated for the mins), so that every scale is ``unit * integer`` exactly (the factored layout);
+    None for the types with a free fp16 per group."""
 
     fmt: BlockFormat
     codes: np.ndarray
     scale: np.ndarray
     min: np.ndarray | None
+    scale_unit: np.ndarray | None = None
+    min_unit: np.ndarray | None = None
 
     def take_rows(self, order: np.ndarray) -> Groups:
+        def rows(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[order]
+
         return Groups(
             self.fmt,
             self.codes[order],
             self.scale[order],
-            None if self.min is None else self.min[order],
+            rows(self.min),
+            rows(self.scale_unit),
+            rows(self.min_unit),
         )
 
 
@@ -157,14 +176,18 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
             codes.reshape(rows, num_groups, -1),
             scale.reshape(rows, num_groups),
             minimum.reshape(rows, num_groups),
+            d.reshape(rows, num_super),
+            (-dmin).reshape(rows, num_super),
         )
     if type_name in ("Q2_K", "Q3_K", "IQ4_XS"):
-        codes, scale, minimum = _LOW_BIT_K[type_name](sb)
+        codes, scale, minimum, d, dmin = _LOW_BIT_K[type_name](sb)
         return Groups(
             fmt,
             codes.reshape(rows, num_groups, fmt.group),
             scale.reshape(rows, num_groups),
             None if minimum is None else minimum.reshape(rows, num_groups),
+            d.reshape(rows, num_super),
+            None if dmin is None else (-dmin).reshape(rows, num_super),
         )
     # Q6_K: ql [128], qh [64], int8 scales [16], fp16 d, per super-block
     ql = sb[:, 0:128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
@@ -177,6 +200,7 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
         q.astype(np.int8).view(np.uint8).reshape(rows, num_groups, 16),
         (d * scales).reshape(rows, num_groups),
         None,
+        d.reshape(rows, num_super),
     )
 
 
@@ -209,7 +233,11 @@ def _small_block_groups(type_name: str, fmt: BlockFormat, block: np.ndarray) -> 
     return Groups(fmt, _as_bytes(IQ4_VALUES[_nibbles(block[..., 2:])]), d, None)
 
 
-def _q2_k(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+_KParts = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]
+# codes, scales, mins (or None), and the super-block's fp16 d and dmin (or None) as float32 [n, 1]
+
+
+def _q2_k(sb: np.ndarray) -> _KParts:
     """Q2_K (84 bytes: 16 scale/min bytes, 64 of 2-bit codes, fp16 d, dmin): d * sc * q - dmin * m per 16."""
     n = sb.shape[0]
     sc = sb[:, 0:16]
@@ -217,10 +245,10 @@ def _q2_k(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d, dmin = _f16(sb[:, 80:82])[:, None], _f16(sb[:, 82:84])[:, None]
     scale = d * (sc & 15).astype(np.float32)
     minimum = -(dmin * (sc >> 4).astype(np.float32))
-    return np.ascontiguousarray(qs.reshape(n, 16, 16)), scale, minimum
+    return np.ascontiguousarray(qs.reshape(n, 16, 16)), scale, minimum, d, dmin
 
 
-def _q3_k(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+def _q3_k(sb: np.ndarray) -> _KParts:
     """Q3_K (110 bytes: 32 of high-bit mask, 64 of 2-bit codes, 12 of 6-bit scales, fp16 d): d * (sc - 32) * q
     per 16, q = low 2 bits - 4 where the mask bit is 0 (-4..3)."""
     n = sb.shape[0]
@@ -234,10 +262,10 @@ def _q3_k(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     q = ql.reshape(n, 16, 16).astype(np.int16) - ((qh.reshape(n, 16, 16) ^ 1).astype(np.int16) << 2)
-    return _as_bytes(q), d[:, None] * sc.astype(np.float32), None
+    return _as_bytes(q), d[:, None] * sc.astype(np.float32), None, d[:, None], None
 
 
-def _iq4_xs(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+def _iq4_xs(sb: np.ndarray) -> _KParts:
     """IQ4_XS (136 bytes: fp16 d, 2 bytes of high scale bits, 4 of low, 128 of nibbles): d * (ls - 32) *
     table[q] per 32."""
     n = sb.shape[0]
@@ -249,7 +277,7 @@ def _iq4_xs(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     ) & 15
     ls = (low | (high << 4)).astype(np.int16) - 32
     q = _nibbles(sb[:, 8:136].reshape(n, 8, 16))  # [n, 8, 32]
-    return _as_bytes(IQ4_VALUES[q]), d[:, None] * ls.astype(np.float32), None
+    return _as_bytes(IQ4_VALUES[q]), d[:, None] * ls.astype(np.float32), None, d[:, None], None
 
 
 _LOW_BIT_K = {"Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
@@ -266,12 +294,14 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
             a = np.concatenate([a, np.zeros((padded - rows, *a.shape[1:]), a.dtype)])
         return a.reshape(num_tiles, tile_rows, *a.shape[1:])
 
+    half = tile_rows // 2
+    if layout == LAYOUT_FACTORED:
+        return _pack_factored(groups, tiles, num_tiles)
     fields = [tiles(groups.scale).transpose(0, 2, 1)]  # [tiles, G, tile_rows] float32
     if fmt.has_min:
         assert groups.min is not None
         fields.append(tiles(groups.min.astype(np.float32)).transpose(0, 2, 1))
     heads = [np.ascontiguousarray(f).view(np.uint8) for f in fields]  # [tiles, G, 4 * tile_rows] each
-    half = tile_rows // 2
     if layout == LAYOUT_QUADS:
         if fmt != BlockFormat(4, 32, True):
             raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
@@ -285,6 +315,67 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
     codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
     return np.concatenate([*heads, codes], axis=-1).reshape(-1)  # [tiles, G, group bytes]
+
+
+def _multipliers(values: np.ndarray, unit: np.ndarray, per_super: int) -> np.ndarray | None:
+    """``values [rows, G]`` as ``unit [rows, G / per_super]`` (repeated per group) times int8 multipliers, or None
+    where some value is not exactly such a product."""
+    units = np.repeat(unit, per_super, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mult = np.where(units != 0, np.rint(values / units), 0)
+    if mult.size and (mult.min() < -128 or mult.max() > 127):  # NaN compares False: caught below
+        return None
+    mult = mult.astype(np.int8)
+    if not np.array_equal(units * mult.astype(np.float32), values):  # NaNs never compare equal: refused too
+        return None
+    return mult
+
+
+def factored(groups: Groups) -> bool:
+    """Whether ``groups`` can take the factored layout (a K-quant whose every scale and min is its unit times an
+    int8, exactly)."""
+    return _factors(groups) is not None
+
+
+def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """[(unit [rows, S], multipliers [rows, G])] for the scales (and the mins), or None."""
+    num_groups = groups.codes.shape[1]
+    per_super = QK_K // groups.fmt.group
+    if groups.scale_unit is None or num_groups % per_super or groups.scale_unit.shape[1] * per_super != num_groups:
+        return None
+    pairs = [(groups.scale, groups.scale_unit)]
+    if groups.fmt.has_min:
+        if groups.min is None or groups.min_unit is None:
+            return None
+        pairs.append((groups.min, groups.min_unit))
+    out = []
+    for values, unit in pairs:
+        mult = _multipliers(values.astype(np.float32), unit.astype(np.float32), per_super)
+        if mult is None:
+            return None
+        out.append((unit.astype(np.float32), mult))
+    return out
+
+
+def _pack_factored(groups: Groups, tiles, num_tiles: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp32 units (scale, then min), then per
+    group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them."""
+    pairs = _factors(groups)
+    if pairs is None:
+        raise ValueError("these groups' scales are not a unit per super-block times int8 multipliers")
+    fmt, num_groups = groups.fmt, groups.codes.shape[1]
+    per_super = QK_K // fmt.group
+    num_super = num_groups // per_super
+    width = tiles(groups.scale).shape[1]
+    units = [tiles(u).transpose(0, 2, 1) for u, _ in pairs]  # [T, S, W] float32 each
+    supers = np.concatenate([np.ascontiguousarray(u).view(np.uint8) for u in units], axis=-1)  # [T, S, 4W per field]
+    mults = [tiles(m).transpose(0, 2, 1).view(np.uint8) for _, m in pairs]  # [T, G, W] each
+    codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [T, G, group, W]
+    if fmt.bits == 4:
+        codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
+    codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
+    grps = np.concatenate([*mults, codes], axis=-1).reshape(num_tiles, num_super, -1)  # [T, S, per_super * bytes]
+    return np.concatenate([supers, grps], axis=-1).reshape(-1)
 
 
 @dataclass
@@ -332,7 +423,7 @@ class QuantizedWeight:
             if g.codes.shape[1] * g.fmt.group != in_features:
                 raise ValueError("stacked quantized parts must have the same number of input features")
             quads = int8_activations and g.fmt == BlockFormat(4, 32, True)
-            layout = LAYOUT_QUADS if quads else LAYOUT_INPUTS
+            layout = LAYOUT_QUADS if quads else LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
             packed = pack_groups(g, tile_rows, layout)
             rows = g.codes.shape[0]
             meta.append(
@@ -359,6 +450,9 @@ class QuantizedWeight:
         out = []
         for offset, n, k, bits, group, has_min, _, width, layout in self.meta.tolist():
             num_groups, num_tiles = k // group, -(-n // width)
+            if layout == LAYOUT_FACTORED:
+                out.append(self._dequantize_factored(offset, n, k, bits, group, has_min, width))
+                continue
             head = (2 if has_min else 1) * 4 * width
             group_bytes = head + group * width * bits // 8
             tiles = self.data[offset : offset + num_tiles * num_groups * group_bytes]
@@ -383,3 +477,29 @@ class QuantizedWeight:
             out.append(w.permute(0, 3, 1, 2).reshape(num_tiles * width, k)[:n])  # [T, W, G, group] -> rows
         full = torch.cat(out)
         return full if rows is None else full[rows]
+
+    def _dequantize_factored(
+        self, offset: int, n: int, k: int, bits: int, group: int, has_min: int, width: int
+    ) -> torch.Tensor:
+        """One layout-2 part as fp32 ``[n, k]``: scale = unit * multiplier (exact), then as layout 0."""
+        num_groups, num_tiles = k // group, -(-n // width)
+        per_super, fields = QK_K // group, 2 if has_min else 1
+        num_super = num_groups // per_super
+        head = fields * width  # int8 multipliers per group
+        group_bytes = head + group * width * bits // 8
+        super_bytes = fields * 4 * width + per_super * group_bytes
+        tiles = self.data[offset : offset + num_tiles * num_super * super_bytes]
+        tiles = tiles.view(num_tiles, num_super, super_bytes)
+        units = tiles[..., : fields * 4 * width].contiguous().view(torch.float32)  # [T, S, fields * W]
+        grps = tiles[..., fields * 4 * width :].reshape(num_tiles, num_super, per_super, group_bytes)
+        mults = grps[..., :head].contiguous().view(torch.int8).float()  # [T, S, per_super, fields * W]
+        factor = units[:, :, None, :] * mults  # [T, S, per_super, fields * W]: exact products
+        factor = factor.reshape(num_tiles, num_groups, 1, fields * width)
+        scale = factor[..., :width]  # [T, G, 1, W]
+        codes = grps[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
+        if bits == 4:
+            q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
+        else:
+            q = codes.contiguous().view(torch.int8).float()
+        w = torch.addcmul(factor[..., width:], q, scale) if has_min else q * scale
+        return w.permute(0, 3, 1, 2).reshape(num_tiles * width, k)[:n]  # [T, W, G, group] -> rows

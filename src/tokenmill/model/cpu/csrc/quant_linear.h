@@ -20,7 +20,9 @@
 // one panel row of panel_linear: two vectors of weights, with no transpose. A matrix is one or more parts
 // stacked along N (a fused qkv whose v is Q6_K and q, k Q4_K), each with its own format: `meta` [P, 9] int64
 // rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows, layout). Layout 0 is the one
-// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below).
+// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below); layout 2
+// (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales and mins
+// as int8 multipliers of per-super-block fp32 units (Fmt's kFactored): the same values in fewer bytes.
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
@@ -64,23 +66,45 @@ inline void prefetch_group(const uint8_t* g, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) simd::prefetch_l2(g + kQPrefetchBytes + off);
 }
 
-// A group's format at compile time: its bytes per tile, where the codes of input d start, and the expansion of
-// one input's kPanel codes into two vectors of weights (rows 0..kLanes-1, kLanes..kPanel-1).
-template <int Bits, int Group, bool kMin>
+// A group's format at compile time: where group g of a tile starts, its scales (and mins) as vectors, where the
+// codes of input d start, and the expansion of one input's kPanel codes into two vectors of weights (rows
+// 0..kLanes-1, kLanes..kPanel-1). kFactored (layout 2, the K-quants): the tile is super-blocks of 256 inputs,
+// each the kPanel fp32 units of its scales (then of its mins) and then its groups, each group's scales (mins)
+// being kPanel int8 multipliers of those units: scale = unit * multiplier, an fp16 times a small integer, exact
+// in fp32 and so the same value layout 0 stores, in 1 byte a row instead of 4 (Q4_K: 4.75 bits a weight, not 6).
+template <int Bits, int Group, bool kMin, bool kFactored = false>
 struct Fmt {
   static constexpr int kGroup = Group;
-  static constexpr int64_t kHead = (kMin ? 2 : 1) * kPanel * 4;  // scales (and mins), fp32
+  static constexpr int kFields = kMin ? 2 : 1;                         // scales, and mins
+  static constexpr int64_t kHead = kFields * kPanel * (kFactored ? 1 : 4);  // per group: fp32, or int8 multipliers
   static constexpr int64_t kInputBytes = kPanel * Bits / 8;
   static constexpr int64_t kGroupBytes = kHead + Group * kInputBytes;
+  static constexpr int64_t kPerSuper = kFactored ? 256 / Group : 1;  // groups per super-block
+  static constexpr int64_t kSuperHead = kFactored ? kFields * kPanel * 4 : 0;  // the units, fp32
+  static constexpr int64_t kSuperBytes = kSuperHead + kPerSuper * kGroupBytes;
+  static constexpr int64_t tile_bytes(int64_t num_groups) { return num_groups / kPerSuper * kSuperBytes; }
+  static const uint8_t* group(const uint8_t* tile, int64_t g) {
+    return tile + (g / kPerSuper) * kSuperBytes + kSuperHead + (g % kPerSuper) * kGroupBytes;
+  }
 
   struct Params {
     simd::Vec s0, s1, m0, m1;
   };
-  static Params params(const uint8_t* g) {
+  static Params params(const uint8_t* tile, int64_t g) {
     using namespace simd;
-    const float* f = reinterpret_cast<const float*>(g);
-    Params p{load(f), load(f + kLanes), zero(), zero()};
-    if constexpr (kMin) p.m0 = load(f + kPanel), p.m1 = load(f + kPanel + kLanes);
+    const uint8_t* grp = group(tile, g);
+    Params p{zero(), zero(), zero(), zero()};
+    if constexpr (kFactored) {
+      const float* u = reinterpret_cast<const float*>(tile + (g / kPerSuper) * kSuperBytes);
+      p.s0 = mul(load(u), i8_to_float(grp)), p.s1 = mul(load(u + kLanes), i8_to_float(grp + kLanes));
+      if constexpr (kMin)
+        p.m0 = mul(load(u + kPanel), i8_to_float(grp + kPanel)),
+        p.m1 = mul(load(u + kPanel + kLanes), i8_to_float(grp + kPanel + kLanes));
+    } else {
+      const float* f = reinterpret_cast<const float*>(grp);
+      p.s0 = load(f), p.s1 = load(f + kLanes);
+      if constexpr (kMin) p.m0 = load(f + kPanel), p.m1 = load(f + kPanel + kLanes);
+    }
     return p;
   }
   static void expand(const uint8_t* g, int64_t d, const Params& p, simd::Vec& w0, simd::Vec& w1) {
@@ -107,18 +131,29 @@ struct Fmt {
       q0 = i8_to_float(c), q1 = i8_to_float(c + kLanes);
   }
   static constexpr bool kHasMin = kMin;
-  static void prefetch(const uint8_t* g) { prefetch_group(g, kGroupBytes); }
+  // group g's bytes. Not its super-block's units: prefetching those too (two lines every 8 or 16 groups) made the
+  // one-row kernel 20-25% slower on Zen 3 (AVX2, gate/up 1536 -> 17920), the stream prefetcher brings them anyway.
+  static void prefetch(const uint8_t* tile, int64_t g) { prefetch_group(group(tile, g), kGroupBytes); }
   static_assert(!kMin || Group == 32 || Group == 16, "the one-row path has x's sums over groups of 32 and 16");
-  // the weight of tile row r (< kPanel) at input d, as a scalar: the embedding lookup's path
-  static float weight(const uint8_t* g, int64_t d, int64_t r) {
-    const float* f = reinterpret_cast<const float*>(g);
-    const uint8_t* c = g + kHead + d * kInputBytes;
-    float q;
+  // the weight of tile row r (< kPanel) in group g at input d, as a scalar: the embedding lookup's path
+  static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
+    const uint8_t* grp = group(tile, g);
+    const uint8_t* c = grp + kHead + d * kInputBytes;
+    float q, scale, minimum = 0.f;
     if constexpr (Bits == 4)
       q = static_cast<float>(r < kPanel / 2 ? c[r] & 15 : c[r - kPanel / 2] >> 4);
     else
       q = static_cast<float>(static_cast<int8_t>(c[r]));
-    return kMin ? std::fma(q, f[r], f[kPanel + r]) : q * f[r];
+    if constexpr (kFactored) {
+      const float* u = reinterpret_cast<const float*>(tile + (g / kPerSuper) * kSuperBytes);
+      scale = u[r] * static_cast<float>(static_cast<int8_t>(grp[r]));
+      if (kMin) minimum = u[kPanel + r] * static_cast<float>(static_cast<int8_t>(grp[kPanel + r]));
+    } else {
+      const float* f = reinterpret_cast<const float*>(grp);
+      scale = f[r];
+      if (kMin) minimum = f[kPanel + r];
+    }
+    return kMin ? std::fma(q, scale, minimum) : q * scale;
   }
 };
 
@@ -133,8 +168,8 @@ inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, in
   Vec acc0 = zero(), acc1 = zero();
   const float* sums = xsum + (F::kGroup == 16 ? num_groups / 2 : 0);  // this format's group size
   for (int64_t g = 0; g < num_groups; ++g) {
-    const uint8_t* grp = tile + g * F::kGroupBytes;
-    F::prefetch(grp);
+    const uint8_t* grp = F::group(tile, g);
+    F::prefetch(tile, g);
     const float* xg = x + g * F::kGroup;
     Vec t0[kQSplit], t1[kQSplit];
     for (int s = 0; s < kQSplit; ++s) t0[s] = t1[s] = zero();
@@ -148,13 +183,13 @@ inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, in
       }
     }
     for (int s = 1; s < kQSplit; ++s) t0[0] = add(t0[0], t0[s]), t1[0] = add(t1[0], t1[s]);
-    const float* f = reinterpret_cast<const float*>(grp);
-    acc0 = fmadd(t0[0], load(f), acc0);
-    acc1 = fmadd(t1[0], load(f + kLanes), acc1);
+    const auto p = F::params(tile, g);
+    acc0 = fmadd(t0[0], p.s0, acc0);
+    acc1 = fmadd(t1[0], p.s1, acc1);
     if constexpr (F::kHasMin) {
       const Vec xs = set1(sums[g]);
-      acc0 = fmadd(xs, load(f + kPanel), acc0);
-      acc1 = fmadd(xs, load(f + kPanel + kLanes), acc1);
+      acc0 = fmadd(xs, p.m0, acc0);
+      acc1 = fmadd(xs, p.m1, acc1);
     }
   }
   store_panel_row(c, acc0, acc1, ncols);
@@ -170,8 +205,8 @@ inline void fused_rows(const float* x, int64_t lda, const float* xsum, int64_t l
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = zero();
   const int64_t sums = F::kGroup == 16 ? num_groups / 2 : 0;  // this format's group size
   for (int64_t g = 0; g < num_groups; ++g) {
-    const uint8_t* grp = tile + g * F::kGroupBytes;
-    F::prefetch(grp);
+    const uint8_t* grp = F::group(tile, g);
+    F::prefetch(tile, g);
     const float* xg = x + g * F::kGroup;
     Vec t0[R], t1[R];
     for (int r = 0; r < R; ++r) t0[r] = t1[r] = zero();
@@ -184,18 +219,16 @@ inline void fused_rows(const float* x, int64_t lda, const float* xsum, int64_t l
         t1[r] = fmadd(xv, q1, t1[r]);
       }
     }
-    const float* f = reinterpret_cast<const float*>(grp);
-    const Vec s0 = load(f), s1 = load(f + kLanes);
+    const auto p = F::params(tile, g);
     for (int r = 0; r < R; ++r) {
-      acc0[r] = fmadd(t0[r], s0, acc0[r]);
-      acc1[r] = fmadd(t1[r], s1, acc1[r]);
+      acc0[r] = fmadd(t0[r], p.s0, acc0[r]);
+      acc1[r] = fmadd(t1[r], p.s1, acc1[r]);
     }
     if constexpr (F::kHasMin) {
-      const Vec m0 = load(f + kPanel), m1 = load(f + kPanel + kLanes);
       for (int r = 0; r < R; ++r) {
         const Vec xs = set1(xsum[r * lds + sums + g]);
-        acc0[r] = fmadd(xs, m0, acc0[r]);
-        acc1[r] = fmadd(xs, m1, acc1[r]);
+        acc0[r] = fmadd(xs, p.m0, acc0[r]);
+        acc1[r] = fmadd(xs, p.m1, acc1[r]);
       }
     }
   }
@@ -215,9 +248,9 @@ inline void fused_rows_n(int rows, const float* x, int64_t lda, const float* xsu
 template <class F>
 inline void expand_panel(const uint8_t* tile, int64_t num_groups, float* panel) {
   for (int64_t g = 0; g < num_groups; ++g) {
-    const uint8_t* grp = tile + g * F::kGroupBytes;
-    F::prefetch(grp);
-    const auto p = F::params(grp);
+    const uint8_t* grp = F::group(tile, g);
+    F::prefetch(tile, g);
+    const auto p = F::params(tile, g);
     float* out = panel + g * F::kGroup * kPanel;
     for (int64_t d = 0; d < F::kGroup; ++d) {
       simd::Vec w0, w1;
@@ -299,7 +332,7 @@ inline void tile_rows(const float* x, const float* xsum, int64_t m0, int64_t m1,
 template <class F>
 inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, float* out) {
   for (int64_t g = 0; g < num_groups; ++g)
-    for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile + g * F::kGroupBytes, d, row);
+    for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile, g, d, row);
 }
 
 // The 4-bit format in its quad layout (meta layout 1), for 8-bit activations: per group, the kPanel scales and
@@ -311,7 +344,8 @@ struct Q4Quad {
   static constexpr int64_t kQuadBytes = 2 * kPanel;
   static constexpr int64_t kGroupBytes = kHead + 8 * kQuadBytes;
   static void prefetch(const uint8_t* g) { prefetch_group(g, kGroupBytes); }
-  static float weight(const uint8_t* g, int64_t d, int64_t r) {  // as Fmt::weight: the same fp32 value
+  static float weight(const uint8_t* tile, int64_t group, int64_t d, int64_t r) {  // as Fmt::weight's value
+    const uint8_t* g = tile + group * kGroupBytes;
     const float* f = reinterpret_cast<const float*>(g);
     const int64_t half = kPanel / 2;
     const uint8_t byte = g[kHead + (d / 4) * kQuadBytes + 4 * (r % half) + d % 4];
@@ -435,12 +469,18 @@ struct QuantMatrix {
 };
 
 template <int Bits, int Group, bool kMin>
-inline void set_format(QuantPart& p) {
-  using F = Fmt<Bits, Group, kMin>;
-  p.tile_rows = &tile_rows<F>;
-  p.tile_weights = &tile_weights<F>;
-  p.expand_panel = &expand_panel<F>;
-  p.tile_bytes = p.num_groups * F::kGroupBytes;
+inline void set_format(QuantPart& p, bool factored) {
+  auto set = [&](auto fmt) {
+    using F = decltype(fmt);
+    p.tile_rows = &tile_rows<F>;
+    p.tile_weights = &tile_weights<F>;
+    p.expand_panel = &expand_panel<F>;
+    p.tile_bytes = F::tile_bytes(p.num_groups);
+  };
+  if (factored)
+    set(Fmt<Bits, Group, kMin, true>{});
+  else
+    set(Fmt<Bits, Group, kMin, false>{});
 }
 
 // data: uint8 [bytes]; meta: int64 [P, 9] as described at the top. Checks every part against the buffer.
@@ -464,22 +504,25 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     QuantPart p;
     p.rows = rows, p.col = col, p.num_groups = k / group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
-    TORCH_CHECK(layout == 0 || (layout == 1 && bits == 4 && group == 32 && has_min), "part ", i, ": layout ",
-                layout, " (0: input-major; 1: quads, 4-bit groups of 32 with a min only)");
+    TORCH_CHECK(layout == 0 || (layout == 1 && bits == 4 && group == 32 && has_min) ||
+                    (layout == 2 && k % 256 == 0),
+                "part ", i, ": layout ", layout,
+                " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256)");
+    const bool factored = layout == 2;
     if (layout == 1) {
       p.q8 = true, q.has_q8 = true;
       p.tile_weights = &tile_weights<Q4Quad>;
       p.tile_bytes = p.num_groups * Q4Quad::kGroupBytes;
     } else if (bits == 4 && group == 32 && has_min)
-      set_format<4, 32, true>(p);
+      set_format<4, 32, true>(p, factored);
     else if (bits == 8 && group == 32 && !has_min)
-      set_format<8, 32, false>(p);
+      set_format<8, 32, false>(p, factored);
     else if (bits == 8 && group == 32 && has_min)
-      set_format<8, 32, true>(p);
+      set_format<8, 32, true>(p, factored);
     else if (bits == 8 && group == 16 && !has_min)
-      set_format<8, 16, false>(p);
+      set_format<8, 16, false>(p, factored);
     else if (bits == 8 && group == 16 && has_min)
-      set_format<8, 16, true>(p);
+      set_format<8, 16, true>(p, factored);
     else
       TORCH_CHECK(false, "part ", i, ": no block format with bits ", bits, ", group ", group, ", min ", has_min);
     TORCH_CHECK(offset >= 0 && offset + p.num_tiles * p.tile_bytes <= data.numel(), "part ", i,
