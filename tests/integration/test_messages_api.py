@@ -28,7 +28,9 @@ WEATHER = {
     ],
 )
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    proc = model_server(request.param, "--max-model-len", "2048", "--num-kv-blocks", "512", "--api-key", KEY)
+    proc = model_server(
+        request.param, "--max-model-len", "2048", "--num-kv-blocks", "512", "--api-key", KEY, "--log-level", "info"
+    )
     yield proc
     proc.stop()
 
@@ -175,6 +177,11 @@ def test_errors_are_anthropic_shaped(server: ServerProcess, served: str) -> None
         error = r.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
         assert param in error["error"]["message"], (param, error)
+    server.log.flush()
+    with open(server.log.name, encoding="utf-8") as log:  # each refusal is one line of the server's log
+        refusals = [line for line in log if "/v1/messages -> 400" in line]
+    for _, param in cases:
+        assert any(param in line for line in refusals), (param, refusals)
     with pytest.raises(anthropic.NotFoundError):
         anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0).messages.create(
             model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "Hi"}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -21,6 +22,8 @@ from tokenmill.outputs import RequestDelta
 from tokenmill.server.async_engine import AsyncEngine, ChoiceResult, RequestGroup
 from tokenmill.server.protocol import ErrorInfo, ErrorResponse, validation_error_to_param
 from tokenmill.server.response_store import ResponseStore
+
+logger = logging.getLogger("tokenmill.server")
 
 RETRY_AFTER_S = 1
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -81,7 +84,18 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.info.message}}
 
     def response_for(self, path: str) -> JSONResponse:
-        """The error in the shape the API at ``path`` speaks: Anthropic's under /v1/messages, else OpenAI's."""
+        """The error in the shape the API at ``path`` speaks: Anthropic's under /v1/messages, else OpenAI's.
+
+        Logged, one line (the access log says only "400 Bad Request": an operator needs the field a client sent
+        that was refused)."""
+        logger.log(
+            logging.WARNING if self.status_code >= 500 else logging.INFO,
+            "%s -> %d%s: %s",
+            path,
+            self.status_code,
+            f" ({self.info.param})" if self.info.param else "",
+            self.info.message,
+        )
         if not is_anthropic_path(path):
             return self.response()
         return JSONResponse(self.anthropic_body(), status_code=self.status_code, headers=self.headers)
