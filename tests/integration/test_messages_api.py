@@ -29,7 +29,15 @@ WEATHER = {
 )
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     proc = model_server(
-        request.param, "--max-model-len", "2048", "--num-kv-blocks", "512", "--api-key", KEY, "--log-level", "info"
+        request.param,
+        "--max-model-len",
+        "2048",
+        "--num-kv-blocks",
+        "512",
+        "--api-key",
+        KEY,
+        "--log-level",
+        "info",
     )
     yield proc
     proc.stop()

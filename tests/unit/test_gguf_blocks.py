@@ -103,7 +103,8 @@ def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, t
             ), (m, once)
     ids = torch.tensor([0, width + 4, 3, width], dtype=torch.int64)
     assert torch.equal(
-        kernel_variant.quant_rows(small.data, small.meta, ids), kernel_variant.quant_rows(plain.data, plain.meta, ids)
+        kernel_variant.quant_rows(small.data, small.meta, ids),
+        kernel_variant.quant_rows(plain.data, plain.meta, ids),
     )
 
 

@@ -341,7 +341,11 @@ def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """[(unit [rows, S], multipliers [rows, G])] for the scales (and the mins), or None."""
     num_groups = groups.codes.shape[1]
     per_super = QK_K // groups.fmt.group
-    if groups.scale_unit is None or num_groups % per_super or groups.scale_unit.shape[1] * per_super != num_groups:
+    if (
+        groups.scale_unit is None
+        or num_groups % per_super
+        or groups.scale_unit.shape[1] * per_super != num_groups
+    ):
         return None
     pairs = [(groups.scale, groups.scale_unit)]
     if groups.fmt.has_min:
@@ -368,13 +372,17 @@ def _pack_factored(groups: Groups, tiles, num_tiles: int) -> np.ndarray:  # type
     num_super = num_groups // per_super
     width = tiles(groups.scale).shape[1]
     units = [tiles(u).transpose(0, 2, 1) for u, _ in pairs]  # [T, S, W] float32 each
-    supers = np.concatenate([np.ascontiguousarray(u).view(np.uint8) for u in units], axis=-1)  # [T, S, 4W per field]
+    supers = np.concatenate(
+        [np.ascontiguousarray(u).view(np.uint8) for u in units], axis=-1
+    )  # [T, S, 4W per field]
     mults = [tiles(m).transpose(0, 2, 1).view(np.uint8) for _, m in pairs]  # [T, G, W] each
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [T, G, group, W]
     if fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
     codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
-    grps = np.concatenate([*mults, codes], axis=-1).reshape(num_tiles, num_super, -1)  # [T, S, per_super * bytes]
+    grps = np.concatenate([*mults, codes], axis=-1).reshape(
+        num_tiles, num_super, -1
+    )  # [T, S, per_super * bytes]
     return np.concatenate([supers, grps], axis=-1).reshape(-1)
 
 
