@@ -172,6 +172,8 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
         (200, 70),
         (3, 129),
         (600, 0),
+        (1100, 0),  # past one key block of the kernel (1,024 keys) inside the prompt
+        (70, 2500),  # three key blocks, the query tokens in the last
     ]  # (query tokens, cached prefix)
     max_blocks = -(-max(q + p for q, p in seqs) // block_size)
     num_blocks = len(seqs) * max_blocks + 3

@@ -10,6 +10,9 @@
 // on AVX-512, 6 and 12 on AVX2).
 // Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
 // and a block of rows reads keys only up to its last row's position.
+// Both products go key block by key block (kPrefillKeyBlock keys), every row block of the tile inside: a block of
+// K^T or V is then read from L2 by all of them, not streamed from L3 by each (a 17k-token context: 16-50 s per
+// 512-token chunk on the 0.5B, 92% of it here). The softmax stays exact, over each whole row, between the two.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,6 +29,8 @@ namespace {
 
 constexpr int64_t kPrefillTileTokens = 64;  // query tokens per work item
 constexpr int kPrefillRowBlock = kPanelMaxRows;  // query rows per register block
+// Keys per block of the two products: K^T [D, 1024] and V [1024, D] are 256 KB each at D = 64, 512 KB at 128
+constexpr int64_t kPrefillKeyBlock = 1024;
 
 struct PrefillScratch {
   std::vector<float> kt, v, q, scores, out;
@@ -73,14 +78,25 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
     }
   s.scores.resize(R * ld);
   s.out.resize(R * D);
+  auto row_block = [&](int64_t r0, int& rows, int64_t& block_keys, float*& sc) {
+    rows = static_cast<int>(std::min<int64_t>(kPrefillRowBlock, R - r0));
+    block_keys = first_pos + j0 + (r0 + rows - 1) / G + 1;  // keys the block's last row sees
+    sc = s.scores.data() + r0 * ld;
+  };
+  int rows;
+  int64_t block_keys;
+  float* sc;
+  // scores [R, keys] = Q K^T, key block by key block: a block of K^T serves every row block from L2 (streaming all
+  // of K^T per row block from L3 took 92% of a 512-token chunk's time at 17k keys)
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kPrefillKeyBlock)
+    for (int64_t r0 = 0; r0 < R; r0 += kPrefillRowBlock) {
+      row_block(r0, rows, block_keys, sc);
+      for (int64_t p = k0; p < std::min(block_keys, k0 + kPrefillKeyBlock); p += kPanel)
+        panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld,
+                                               kPanel);
+    }
   for (int64_t r0 = 0; r0 < R; r0 += kPrefillRowBlock) {
-    const int rows = static_cast<int>(std::min<int64_t>(kPrefillRowBlock, R - r0));
-    const int64_t last_token = j0 + (r0 + rows - 1) / G;
-    const int64_t block_keys = first_pos + last_token + 1;  // keys the block's last row sees
-    float* sc = s.scores.data() + r0 * ld;
-    for (int64_t p = 0; p < block_keys; p += kPanel)
-      panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld,
-                                             kPanel);
+    row_block(r0, rows, block_keys, sc);
     for (int r = 0; r < rows; ++r) {  // softmax over the row's own keys; zero the rest of the block's range
       float* row = sc + r * ld;
       const int64_t len = first_pos + j0 + (r0 + r) / G + 1;
@@ -88,10 +104,27 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
       for (int64_t t = 0; t < len; ++t) row[t] *= inv;
       std::fill(row + len, row + block_keys, 0.f);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += kPanel)  // out [rows, D] = P [rows, block_keys] @ V [block_keys, D]
-      panel_block_n<kPrefillRowBlock, false>(rows, sc, ld, s.v.data() + d0, D, block_keys, s.out.data() + r0 * D + d0,
-                                             D, kPanel);
   }
+  // out [R, D] = P [R, keys] @ V [keys, D], key block by key block (the first block writes, later ones add: up to
+  // kPrefillKeyBlock keys this is one product, as before)
+  float part[kPrefillRowBlock * kPanel];
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kPrefillKeyBlock)
+    for (int64_t r0 = 0; r0 < R; r0 += kPrefillRowBlock) {
+      row_block(r0, rows, block_keys, sc);
+      const int64_t depth = std::min(block_keys, k0 + kPrefillKeyBlock) - k0;
+      if (depth <= 0) continue;
+      for (int64_t d0 = 0; d0 < D; d0 += kPanel) {
+        float* o = s.out.data() + r0 * D + d0;
+        if (k0 == 0) {
+          panel_block_n<kPrefillRowBlock, false>(rows, sc, ld, s.v.data() + d0, D, depth, o, D, kPanel);
+          continue;
+        }
+        panel_block_n<kPrefillRowBlock, false>(rows, sc + k0, ld, s.v.data() + k0 * D + d0, D, depth, part, kPanel,
+                                               kPanel);
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < kPanel; ++c) o[r * D + c] += part[r * kPanel + c];
+      }
+    }
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t g = 0; g < G; ++g)
       std::copy_n(s.out.data() + ((j - j0) * G + g) * D, D, out + ((q_start + j) * Hq + h * G + g) * D);
