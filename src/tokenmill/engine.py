@@ -496,6 +496,7 @@ class Engine:
         num_logprobs_before = request.num_returned_tokens
         new_ids = request.take_new_token_ids()
         detok: IncrementalDetokenizer = request.detokenizer
+        num_new = len(new_ids)
         new_text, num_taken = detok.add_until_stop(new_ids)
         new_ids = new_ids[:num_taken]  # tokens after a stop string's end (several in one step) are dropped
         if detok.stop_string is not None and not request.is_finished:
@@ -505,6 +506,9 @@ class Engine:
                 stop_reason=detok.stop_string,
                 num_output_tokens=num_logprobs_before + len(new_ids),
             )
+        elif detok.stop_string is not None and num_taken < num_new and request.finish_reason in ("stop", "length"):
+            # the step's last token ended it (EOS, a stop id, max_tokens), the string came first: the string wins
+            request.restate_stop_string(detok.stop_string, num_logprobs_before + len(new_ids))
         if request.is_finished and detok.stop_string is None:
             new_text += detok.flush()
         request.set_output_text(detok.text)

@@ -9,7 +9,9 @@ Status changes only through :meth:`Request.transition`, which consults ``_TRANSI
     RUNNING  -> FINISHED_LENGTH              max_tokens or max_model_len reached
     RUNNING  -> FINISHED_ABORTED             aborted by the caller, or preempted too often (``error`` says so)
 
-Any other change raises ``RuntimeError``: it is a bug, not bad input. Pure Python, no torch.
+Any other change raises ``RuntimeError``: it is a bug, not bad input. One exception, by its own method:
+:meth:`Request.restate_stop_string` turns a request that EOS, a stop token or its length ended into one a stop
+string ended, when that string ended the text earlier in the same step. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -205,6 +207,16 @@ class Request:
         self.transition(status)  # RuntimeError when it is already finished: ending twice is a bug
         self.stop_reason = stop_reason
         self.finished_time_s = now_s if now_s is not None else self.last_token_time_s
+
+    def restate_stop_string(self, stop_string: str, num_output_tokens: int) -> None:
+        """A request the scheduler ended on a step's later token (EOS, a stop id, max_tokens) whose text a stop
+        string ended earlier in that step (speculative decoding appends several tokens): it ends there instead,
+        stopped by the string, with only the tokens up to it. Its blocks are already back; only the record changes."""
+        if self.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            raise RuntimeError(f"request {self.request_id!r}: a stop string restated while {self.status.name}")
+        self.truncate_output(num_output_tokens)
+        self.status = RequestStatus.FINISHED_STOPPED
+        self.stop_reason = stop_string
 
     def stamp_finished(self, now_s: float) -> None:
         """For a request ended where no clock was at hand (``schedule()``): the time it is reported."""

@@ -93,6 +93,36 @@ def test_stops_and_lengths_never_overshoot(engines, prompts) -> None:
     assert spec.num_free_blocks == spec.num_total_blocks
 
 
+def test_a_stop_string_before_the_steps_last_token_wins(engines, prompts) -> None:
+    """A stop string completed by a verified token while the step's later token reaches max_tokens or EOS: the
+    request ends at the string (its tokens, finish_reason "stop", stop_reason the string), as without speculation."""
+    plain, spec = engines
+    output = plain.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=60))[0]
+    text = output.outputs[0].text
+    num_checked = 0
+    for start in (len(text) // 3, 2 * len(text) // 3):
+        stop_text = text[start : start + 3]
+        stopped = plain.generate(
+            [output.prompt_token_ids], SamplingParams(temperature=0.0, max_tokens=60, stop=[stop_text])
+        )[0].outputs[0]
+        assert stopped.finish_reason == "stop"
+        num_to_stop = len(stopped.token_ids)
+        for extra in (1, 2, 3):  # max_tokens a few tokens past the stop string: a proposal spans both
+            params = SamplingParams(temperature=0.0, max_tokens=num_to_stop + extra, stop=[stop_text])
+            want = plain.generate([output.prompt_token_ids], params)[0].outputs[0]
+            got = spec.generate([output.prompt_token_ids], params)[0].outputs[0]
+            assert want.finish_reason == "stop" and want.stop_reason == stop_text
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+                want.token_ids,
+                want.text,
+                want.finish_reason,
+                want.stop_reason,
+            ), (stop_text, extra)
+            num_checked += 1
+    assert num_checked == 6
+    assert spec.num_free_blocks == spec.num_total_blocks
+
+
 def test_logprobs_for_every_emitted_token(engines, prompts) -> None:
     plain, spec = engines
     params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=3)
