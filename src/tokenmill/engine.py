@@ -506,7 +506,11 @@ class Engine:
                 stop_reason=detok.stop_string,
                 num_output_tokens=num_logprobs_before + len(new_ids),
             )
-        elif detok.stop_string is not None and num_taken < num_new and request.finish_reason in ("stop", "length"):
+        elif (
+            detok.stop_string is not None
+            and num_taken < num_new
+            and request.finish_reason in ("stop", "length")
+        ):
             # the step's last token ended it (EOS, a stop id, max_tokens), the string came first: the string wins
             request.restate_stop_string(detok.stop_string, num_logprobs_before + len(new_ids))
         if request.is_finished and detok.stop_string is None:

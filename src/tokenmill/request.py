@@ -213,7 +213,9 @@ class Request:
         string ended earlier in that step (speculative decoding appends several tokens): it ends there instead,
         stopped by the string, with only the tokens up to it. Its blocks are already back; only the record changes."""
         if self.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            raise RuntimeError(f"request {self.request_id!r}: a stop string restated while {self.status.name}")
+            raise RuntimeError(
+                f"request {self.request_id!r}: a stop string restated while {self.status.name}"
+            )
         self.truncate_output(num_output_tokens)
         self.status = RequestStatus.FINISHED_STOPPED
         self.stop_reason = stop_string
