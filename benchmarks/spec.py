@@ -12,11 +12,12 @@ Workloads (``--workloads``; prompts through the model's chat template, greedy, `
 
 Methods: ``off``, ``ngram`` (prompt lookup), ``draft_model`` (``--draft-model NAME``, e.g. the 0.5B for the 1.5B).
 
-At concurrency c the first c prompts of a workload run together (one ``generate`` call); the model is loaded
-once and each method gets its own engine on it, warmed up untimed. Per (workload, concurrency, method): wall
-time, output tokens/s, the speed-up over ``off`` in the same run, the share of outputs identical to ``off``'s,
-and speculation's counts: acceptance rate (accepted / proposed tokens), mean acceptance length (tokens per
-verification row: 1 + accepted / verifications) and the waste (decode positions computed for rejected tokens).
+At concurrency c the first c prompts of a workload (the list repeated past its end) run together (one ``generate``
+call); the model is loaded once and each method gets its own engine on it, warmed up untimed. Per (workload,
+concurrency, method): wall time, output tokens/s, the speed-up over ``off`` in the same run, the share of outputs
+identical to ``off``'s, and speculation's counts: acceptance rate (accepted / proposed tokens), mean acceptance
+length (tokens per verification row: 1 + accepted / verifications) and the waste (decode positions computed for
+rejected tokens).
 Times are this machine's; the counts hold anywhere.
 """
 
@@ -107,7 +108,9 @@ def build_prompts(engine: Any, kind: str, n: int, seed: int = 0) -> list[list[in
         rng = random.Random(seed)
         vocab = engine.tokenizer.vocab_size
         return [[rng.randrange(vocab) for _ in range(256)] for _ in range(n)]
-    return [engine.tokenizer.encode_chat(m) for m in chat_prompts(kind)[:n]]
+    messages = chat_prompts(kind)
+    # more requests than prompts (32 concurrent): the list again, in order (their prefixes then cache alike)
+    return [engine.tokenizer.encode_chat(messages[i % len(messages)]) for i in range(n)]
 
 
 def run_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
