@@ -10,7 +10,8 @@ Workloads (``--workloads``; prompts through the model's chat template, greedy, `
 - ``random``: random token ids, no template (little to match: the cost of speculating for nothing; the 1.5B's
   greedy answer to noise often repeats itself, which prompt lookup then catches).
 
-Methods: ``off``, ``ngram`` (prompt lookup), ``draft_model`` (``--draft-model NAME``, e.g. the 0.5B for the 1.5B).
+Methods: ``off``, ``ngram`` (prompt lookup), ``draft_model`` (``--draft-model NAME``, e.g. the 0.5B for the 1.5B;
+``draft_model:gguf-q8`` loads the draft with that quantization instead of its default, ``gguf-q4``).
 
 At concurrency c the first c prompts of a workload (the list repeated past its end) run together (one ``generate``
 call); the model is loaded once and each method gets its own engine on it, warmed up untimed. Per (workload,
@@ -147,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="edit,summary,open,random")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument(
-        "--methods", default="off,ngram", help="off, ngram, draft_model (needs --draft-model)"
+        "--methods",
+        default="off,ngram",
+        help="off, ngram, draft_model (needs --draft-model); draft_model:Q loads the draft with quantization Q "
+        "(speculative_config.quantization, e.g. draft_model:gguf-q8 beside the default gguf-q4)",
     )
     parser.add_argument("--draft-model", default=None, help="the draft model for method draft_model")
     parser.add_argument(
@@ -168,9 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods.split(","):
         spec: dict[str, Any] | None = None
         if method != "off":
-            spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
-            if method == "draft_model":
+            name, _, draft_quantization = method.partition(":")
+            spec = {"method": name, "num_speculative_tokens": args.num_speculative_tokens}
+            if name == "draft_model":
                 spec["model"] = args.draft_model
+            if draft_quantization:
+                spec["quantization"] = draft_quantization
             if args.disable_by_batch_size is not None:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
         engines[method] = Engine(

@@ -16,9 +16,11 @@ OFFLINE_BATCHED_TOKENS = 2048
 # EngineConfig.quantization (model/loader.py applies it). None: "gguf" for a quantized GGUF on CPU in fp32 with
 # the C++ kernels, else the weights in the dtype; "gguf": GGUF blocks kept quantized (model/gguf_blocks.py), fp32
 # arithmetic on their exact values; "gguf-q8": the same blocks, 4-bit ones multiplied by activations rounded to 8
-# bits per 32 (llama.cpp's arithmetic, faster); "fp32": a GGUF dequantized at load (a no-op for a directory);
-# "int8": weight-only int8 made from the dequantized weights (model/quant.py).
-QUANTIZATIONS = ("gguf", "gguf-q8", "fp32", "int8")
+# bits per 32 (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with every other block format rounded to
+# 4 bits with a min per 32 at load (approximate weights, the fewest bytes a token: a speculative draft's default);
+# "fp32": a GGUF dequantized at load (a no-op for a directory); "int8": weight-only int8 made from the
+# dequantized weights (model/quant.py).
+QUANTIZATIONS = ("gguf", "gguf-q8", "gguf-q4", "fp32", "int8")
 _RESERVE_CHOICES = ("none", "worst_case")
 
 
@@ -57,8 +59,18 @@ class SpeculativeConfig:
     # decode rows is already past memory-bound on a CPU: on 2 Zen 4 cores the 1.5B's 8 concurrent code edits ran
     # 0.89x with proposals (each of 8 rows verifying 4 tokens), so the default turns them off from 4 on.
     disable_by_batch_size: int = 4
+    # the draft model's quantization (QUANTIZATIONS; method "draft_model" only). None: "gguf-q4" for a quantized
+    # GGUF draft on CPU (a draft needs no exact weights, only few bytes a token), else the model's default
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError("speculative_config.quantization is only for method 'draft_model'")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config.quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
         if self.method == "draft_model" and not self.model:
             raise ValueError(
                 "speculative_config: method 'draft_model' needs 'model' (a pulled name or a path)"
@@ -98,6 +110,7 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "disable_by_batch_size",
             "model",
+            "quantization",
         }
         unknown = sorted(set(fields) - known)
         if unknown:

@@ -225,6 +225,21 @@ def test_draft_model_outputs_are_identical(engines, drafting, prompts) -> None:
     # a model drafting for itself is right nearly always (rows of 1 and of 4 tokens round a little differently)
     assert stats.spec_acceptance_rate > 0.9
     assert drafting.num_free_blocks == drafting.num_total_blocks
+    # the draft's weights: every block 4-bit with 8-bit activations (its Q4_1 file is already 4-bit)
+    if drafting.loaded.quantization == "gguf":
+        assert drafting.draft.quantization == "gguf-q4"
+
+
+def test_the_draft_takes_the_quantization_asked_for(make_engine, engines, embedded_loaded, prompts) -> None:
+    """``speculative_config.quantization`` (vLLM's key): the draft loads that way; the outputs stay the target's."""
+    if embedded_loaded.quantization != "gguf":
+        pytest.skip("the embedded model runs without the GGUF block kernels here")
+    spec = {"method": "draft_model", "model": embedded_loaded.source, "quantization": "gguf"}
+    engine = make_engine(speculative_config={**spec, "disable_by_batch_size": 0})
+    assert engine.draft.quantization == "gguf"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    assert _ids(engine.generate(prompts[:2], params)) == _ids(engines[0].generate(prompts[:2], params))
+    assert engine.stats.spec_acceptance_rate > 0.9  # the exact draft is the target itself
 
 
 def test_draft_model_under_preemption_and_with_stops(make_engine, engines, embedded_loaded, prompts) -> None:

@@ -20,7 +20,9 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_QUADS,
     QuantizedWeight,
     factored,
+    group_values,
     pack_groups,
+    requantize_4bit,
     to_groups,
 )
 
@@ -303,3 +305,54 @@ def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
     groups = to_groups("Q8_0", random_blocks("Q8_0", 8, 64, 0), 64)
     with pytest.raises(ValueError, match="quad layout"):
         pack_groups(groups, 8, LAYOUT_QUADS)
+
+
+def _min_max_4bit(values: np.ndarray) -> np.ndarray:
+    """The plain min-max 4-bit rounding of ``values [rows, G, 32]`` in float64: the weights it gives."""
+    low, high = values.min(axis=-1, keepdims=True), values.max(axis=-1, keepdims=True)
+    step = (high - low) / 15
+    codes = np.clip(np.rint(np.divide(values - low, step, out=np.zeros_like(values), where=step > 0)), 0, 15)
+    return codes * step + low
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_requantized_4_bit_weights_fit_better_than_min_max(type_name: str) -> None:
+    """``gguf-q4`` (a draft model's weights): every type rounded to 4-bit codes with a min per group of 32. Against
+    the ``gguf`` package's values, each group's squared error is at most plain min-max rounding's (the least-squares
+    refinement keeps a fit only where it is better) and in all strictly below it; 4-bit groups of 32 with a min
+    come back as they are."""
+    in_features = 2 * _k(type_name)
+    raw = random_blocks(type_name, 9, in_features, seed=5)
+    groups = to_groups(type_name, raw, in_features)
+    expected = reference(type_name, raw, in_features).numpy()
+    assert np.array_equal(group_values(groups), expected)  # the values the requantizer starts from
+    q4 = requantize_4bit(groups)
+    assert q4.fmt == (4, 32, True) and q4.codes.max() <= 15
+    if groups.fmt == (4, 32, True):
+        assert q4 is groups
+        return
+    assert (q4.scale >= 0).all()
+    original = expected.reshape(9, -1, 32).astype(np.float64)
+    error = ((group_values(q4).reshape(9, -1, 32) - original) ** 2).sum(axis=-1)
+    min_max_error = ((_min_max_4bit(original) - original) ** 2).sum(axis=-1)
+    assert (error <= min_max_error * (1 + 1e-5) + 1e-12).all()
+    assert error.sum() < min_max_error.sum()
+    assert np.array_equal(
+        requantize_4bit(groups, num_refinements=0).min, original.min(axis=-1).astype(np.float32)
+    )
+    # through the 8-bit-activation layout, the kernels' weights are these values
+    weight = QuantizedWeight.from_groups([q4], 16, int8_activations=True)
+    assert weight.type_summary() == "4bit/g32/x8"
+    torch.testing.assert_close(weight.dequantize(), torch.from_numpy(group_values(q4)), rtol=2**-23, atol=0)
+
+
+def test_requantizing_a_constant_group_keeps_it() -> None:
+    """A group of equal weights has a zero step: codes 0, the value as its min (no division by zero)."""
+    raw = random_blocks("Q8_0", 2, 64, seed=1)
+    groups = to_groups("Q8_0", raw, 64)
+    codes = groups.codes.copy()
+    codes[0, 1] = 7  # row 0, group 1: 32 equal codes
+    constant = groups._replace(codes=codes)
+    q4 = requantize_4bit(constant)
+    assert q4.scale[0, 1] == 0 and (q4.codes[0, 1] == 0).all()
+    assert np.array_equal(group_values(q4)[0, 32:64], group_values(constant)[0, 32:64])

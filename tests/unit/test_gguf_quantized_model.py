@@ -14,6 +14,7 @@ import torch
 from tiny_models import random_blocks
 
 from tokenmill.model import gguf_loader
+from tokenmill.model.gguf_blocks import QuantizedWeight
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache, load_model
 from tokenmill.model.quant import QuantizedEmbedding, QuantizedLinear
 
@@ -206,6 +207,29 @@ def test_gguf_q8_on_a_mixed_file(kernel_variant, tmp_path: Path) -> None:
     # a random model's activations carry outliers that round the rest of their group coarsely: measured cosine
     # 0.981, 1.000, 1.000 for the three prompts (the embedded model's KL is in test_gguf_q8.py)
     assert (torch.nn.functional.cosine_similarity(a, b, dim=-1) > 0.95).all()
+
+
+def test_gguf_q4_rounds_every_type_to_4_bits(kernel_variant, tmp_path: Path) -> None:
+    """``quantization="gguf-q4"`` (a draft model's default) on the low-bit file: every projection becomes 4-bit
+    groups of 32 in the 8-bit-activation layout, the embedding and the head keep the file's types, fewer bytes in
+    all, and the logits still point the exact path's way (approximate weights: no bit-for-bit claim)."""
+    path = tmp_path / "tiny-low-bit.gguf"
+    write_gguf(path, LOW_BIT_TYPES)
+    q4 = load_model(str(path), device="cpu", quantization="gguf-q4")
+    exact = load_model(str(path), device="cpu", quantization="gguf")
+    assert q4.quantization == "gguf-q4"
+    layer = q4.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+4bit/g32/x8"
+    assert layer.mlp.gate_up_proj.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8"
+    assert q4.model.lm_head.weight.type_summary() == exact.model.lm_head.weight.type_summary() == "8bit/g16"
+    embed = q4.model.model.embed_tokens
+    assert QuantizedWeight(embed.data, embed.meta).type_summary() == "8bit/g32"
+    assert q4.weight_bytes < exact.weight_bytes
+    a, b = prefill_then_decode(q4, PROMPTS, 0)[0], prefill_then_decode(exact, PROMPTS, 0)[0]
+    assert (torch.nn.functional.cosine_similarity(a, b, dim=-1) > 0.9).all()
+    # a second load maps the q4 blocks cache (its own file beside the exact and q8 ones)
+    again = load_model(str(path), device="cpu", quantization="gguf-q4")
+    torch.testing.assert_close(prefill_then_decode(again, PROMPTS, 0)[0], a, atol=0, rtol=0)
 
 
 def test_tied_head_shares_the_embedding_bytes(tmp_path: Path) -> None:

@@ -170,6 +170,6 @@ def test_load_model_applies_int8(tmp_path: Path) -> None:
 
 def test_load_model_rejects_unknown_quantization(tmp_path: Path) -> None:
     with pytest.raises(
-        ValueError, match="quantization must be one of None, gguf, gguf-q8, fp32, int8, got 'int4'"
+        ValueError, match="quantization must be one of None, gguf, gguf-q8, gguf-q4, fp32, int8, got 'int4'"
     ):
         load_model(str(tmp_path), device="cpu", quantization="int4")

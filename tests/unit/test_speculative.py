@@ -33,6 +33,8 @@ def test_config_parses_vllm_dicts() -> None:
         prompt_lookup_min=1, prompt_lookup_max=1
     )
     assert SpeculativeConfig.parse({"disable_by_batch_size": 0}).disable_by_batch_size == 0
+    draft = {"method": "draft_model", "model": "m", "quantization": "gguf-q8"}
+    assert SpeculativeConfig.parse(draft).quantization == "gguf-q8"  # vLLM's key for the draft's quantization
     assert EngineConfig().speculative_config is None
 
 
@@ -46,6 +48,8 @@ def test_config_parses_vllm_dicts() -> None:
         ({"num_lookahead": 2}, "unknown key"),
         ({"disable_by_batch_size": -1}, "disable_by_batch_size"),
         ({"model": "x"}, "only for method 'draft_model'"),
+        ({"quantization": "gguf-q4"}, "quantization is only for method 'draft_model'"),
+        ({"method": "draft_model", "model": "x", "quantization": "int4"}, "quantization must be one of"),
         ("ngram", "must be a dict"),
     ],
 )

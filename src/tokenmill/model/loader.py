@@ -21,7 +21,11 @@ from tokenmill.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
-GGUF_BLOCK_MODES = ("gguf", "gguf-q8")  # of tokenmill.config.QUANTIZATIONS: the blocks kept as they are
+GGUF_BLOCK_MODES = (
+    "gguf",
+    "gguf-q8",
+    "gguf-q4",
+)  # of tokenmill.config.QUANTIZATIONS: the blocks kept as they are
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -89,7 +93,8 @@ def load_model(
     ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
     as their blocks and computes from them (CPU, fp32 activations; the default for such a file when the C++
     kernels are loaded), ``"gguf-q8"`` too, with the 4-bit ones' activations rounded to 8 bits per group of 32
-    (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
+    (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"gguf-q4"`` as ``"gguf-q8"`` with every
+    other type rounded to 4 bits first (approximate; a draft model's default), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
     for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
     ``dtype``).
     """
@@ -178,7 +183,9 @@ def _load_gguf(
     # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
     tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
     if quantization in GGUF_BLOCK_MODES:
-        config, llama = gguf_file.load_quantized_model(int8_activations=quantization == "gguf-q8")
+        config, llama = gguf_file.load_quantized_model(
+            int8_activations=quantization == "gguf-q8", requantize=quantization == "gguf-q4"
+        )
     else:
         config, llama = gguf_file.load_model(device, dtype)
     return config, llama, tokenizer, quantization

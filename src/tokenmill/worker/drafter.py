@@ -6,8 +6,9 @@ greedy tokens into them: one draft forward over every drafting row's tokens the 
 whole prompt the first time; afterwards the last one or two), then ``k - 1`` forwards of one token per row.
 Greedy drafts are a deterministic function of the context, a point mass, so the sampler's verification keeps
 the target's distribution exact for sampled requests too. For the same reason the draft needs no exact
-arithmetic: the engine loads a quantized GGUF draft on CPU with ``quantization="gguf-q8"`` (8-bit activations,
-about twice the exact path's prefill rate on the 4-bit blocks).
+arithmetic: the engine loads a quantized GGUF draft on CPU with ``quantization="gguf-q4"`` (its projections
+rounded to 4 bits, 8-bit activations: the fewest bytes a draft token reads), unless
+``speculative_config.quantization`` names another.
 
 The draft's KV lives in its own tensors, indexed by the target's block table: the draft writes the same slots
 the target writes for those positions (the row's own blocks, allocated this step), so its blocks are allocated
