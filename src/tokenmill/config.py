@@ -16,8 +16,8 @@ OFFLINE_BATCHED_TOKENS = 2048
 # EngineConfig.quantization (model/loader.py applies it). None: "gguf" for a quantized GGUF on CPU in fp32 with
 # the C++ kernels, else the weights in the dtype; "gguf": GGUF blocks kept quantized (model/gguf_blocks.py), fp32
 # arithmetic on their exact values; "gguf-q8": the same blocks, 4-bit ones multiplied by activations rounded to 8
-# bits per 32 (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with every other block format rounded to
-# 4 bits with a min per 32 at load (approximate weights, the fewest bytes a token: a speculative draft's default);
+# bits per 32 (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with the projections' blocks rounded to 4 bits
+# with a min per 32 at load (approximate weights, the fewest bytes a token: a speculative draft's default);
 # "fp32": a GGUF dequantized at load (a no-op for a directory); "int8": weight-only int8 made from the
 # dequantized weights (model/quant.py).
 QUANTIZATIONS = ("gguf", "gguf-q8", "gguf-q4", "fp32", "int8")

@@ -36,7 +36,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="gguf: compute from a GGUF's quantized blocks (the default for one on CPU); gguf-q8: the same, 4-bit "
         "blocks times activations rounded to 8 bits (llama.cpp's arithmetic, faster); gguf-q4: as gguf-q8 with "
-        "every block rounded to 4 bits at load (approximate, fewest bytes: a draft's default); fp32: dequantize them "
+        "the projections rounded to 4 bits at load (approximate, fewest bytes: a draft's default); fp32: dequantize them "
         "at load; int8: weight-only int8 from the fp32 weights",
     )
     g.add_argument("--num-threads", type=int, default=None)

@@ -338,7 +338,7 @@ class GGUFFile:
     ) -> tuple[LlamaConfig, LlamaForCausalLM]:
         """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU.
         ``int8_activations`` (``"gguf-q8"``): 4-bit blocks in the layout of the 8-bit-activation kernel.
-        ``requantize`` (``"gguf-q4"``, implies ``int8_activations``): every other block format rounded to 4 bits
+        ``requantize`` (``"gguf-q4"``, implies ``int8_activations``): the projections' blocks rounded to 4 bits
         first (:func:`~tokenmill.model.gguf_blocks.requantize_4bit`: approximate weights, fewer bytes).
 
         The first load rewrites the blocks (seconds: 18 s for a 1.5B) and writes them to a cache file; later
@@ -359,9 +359,8 @@ class GGUFFile:
             config = _config_from_json(header[_CONFIG_KEY])
             return config, rebuild_quantized_llama(config, load_file(cache, device="cpu"), matmuls)
         config, dense, quantized = read_quantized_gguf(self.path, self.reader())
-        if (
-            requantize
-        ):  # the projections; the embedding and head keep their type (a draft's argmax is its head's)
+        if requantize:
+            # the projections; the embedding and head keep their type (a draft's argmax is its head's)
             quantized = {
                 name: groups if name in _KEPT_BY_REQUANTIZE else requantize_4bit(groups)
                 for name, groups in quantized.items()

@@ -93,8 +93,8 @@ def load_model(
     ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
     as their blocks and computes from them (CPU, fp32 activations; the default for such a file when the C++
     kernels are loaded), ``"gguf-q8"`` too, with the 4-bit ones' activations rounded to 8 bits per group of 32
-    (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"gguf-q4"`` as ``"gguf-q8"`` with every
-    other type rounded to 4 bits first (approximate; a draft model's default), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
+    (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"gguf-q4"`` as ``"gguf-q8"`` with the
+    projections rounded to 4 bits first (approximate; a draft model's default), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
     for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
     ``dtype``).
     """
