@@ -252,7 +252,8 @@ class Engine:
 
         # A draft's arithmetic needs no exactness (the target verifies every token): a quantized GGUF on CPU takes
         # "gguf-q4", its projections 4-bit and 8-bit activations: a draft token reads the fewest bytes (the 0.5B
-        # Qwen's Q5_0 / Q8_0 projections as 4-bit codes: 679 -> 524 MB, 21 -> ~14 ms a token on 2 Zen 4 cores).
+        # Qwen's Q5_0 / Q8_0 projections as 4-bit codes: ~526 -> ~422 MB read and 21 -> ~14 ms a
+        # token on 2 Zen 4 cores).
         path = resolve(str(spec.model))
         load = functools.partial(load_model, path, device=self.config.device, dtype=self.config.dtype)
         on_cpu = self.loaded.device.type == "cpu" and self.loaded.dtype == torch.float32
