@@ -14,7 +14,7 @@ Methods: ``off``, ``ngram`` (prompt lookup), ``draft_model`` (``--draft-model NA
 ``draft_model:gguf-q8`` loads the draft with that quantization instead of its default, ``gguf-q4``).
 
 At concurrency c the first c prompts of a workload (the list repeated past its end) run together (one ``generate``
-call); the model is loaded once and each method gets its own engine on it, warmed up untimed. Per (workload,
+call; with ``--rounds R``, R such calls one after another over the next prompts); the model is loaded once and each method gets its own engine on it, warmed up untimed. Per (workload,
 concurrency, method): wall time, output tokens/s, the speed-up over ``off`` in the same run, the share of outputs
 identical to ``off``'s, and speculation's counts: acceptance rate (accepted / proposed tokens), mean acceptance
 length (tokens per verification row: 1 + accepted / verifications) and the waste (decode positions computed for
@@ -114,13 +114,17 @@ def build_prompts(engine: Any, kind: str, n: int, seed: int = 0) -> list[list[in
     return [engine.tokenizer.encode_chat(messages[i % len(messages)]) for i in range(n)]
 
 
-def run_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run_one(engine: Any, prompts: list[list[int]], max_tokens: int, concurrency: int = 0) -> dict[str, Any]:
+    """``prompts`` in consecutive ``generate`` calls of ``concurrency`` each (0: all in one call)."""
     from tokenmill.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     before = engine.stats.totals()
+    size = concurrency or len(prompts)
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    outputs = [
+        o for i in range(0, len(prompts), size) for o in engine.generate(prompts[i : i + size], params)
+    ]
     elapsed_s = time.perf_counter() - start
     after = engine.stats
     drafts = after.num_spec_drafts - before.num_spec_drafts
@@ -160,6 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--quantization", default=None, help="the engine's (default: gguf, the exact path)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="at concurrency c, this many consecutive batches of c prompts each (the workload's list in order, "
+        "repeated): --concurrency 1 --rounds 8 runs eight prompts one after another, a single stream over more "
+        "than the first prompt",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -198,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         for conc in (int(c) for c in args.concurrency.split(",")):
             base: dict[str, Any] | None = None
             for method, engine in engines.items():
-                prompts = build_prompts(engine, kind, conc)
-                r = run_one(engine, prompts, args.max_tokens)
+                prompts = build_prompts(engine, kind, conc * args.rounds)
+                r = run_one(engine, prompts, args.max_tokens, conc)
                 if method == "off" or base is None:
                     base = r
                 same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"])) / len(prompts)

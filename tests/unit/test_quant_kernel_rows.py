@@ -23,8 +23,10 @@ MAX_ROWS = 300
 # K = 1,024 makes blocks of 256 KB of x: 64 rows on AVX-512, 60 on AVX2 (a multiple of the register block),
 # so tails of one row at 65, 129, ... or 61, 121, ...; the 8-bit path's blocks (252 rows) at 253.
 IN_FEATURES = 1024
-# a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts
-WIDE_K_ROWS = (1, 2, 8, 9, 16, 17, 25, 63, 64, 65)
+# a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts; past
+# kQFusedRows rows such a K goes in pieces (quant_linear_chunked: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on
+# base), so also blocks ending in tails of 1, 2 and 4 rows after them
+WIDE_K_ROWS = (1, 2, 8, 9, 13, 16, 17, 25, 31, 32, 34, 36, 61, 63, 64, 65, 66, 68, 129, 130)
 
 
 def _weights(type_names: tuple[str, ...], rows_each: int, in_features: int, tile_rows: int, q8: bool = False):
@@ -92,6 +94,21 @@ def test_wide_inputs_end_in_one_row_blocks(kernel_variant, type_name: str) -> No
     width = kernel_variant.quant_tile_rows()
     weight, w = _weights((type_name,), width + 1, 8960, width)
     _sweep(kernel_variant, weight, w, 8960, WIDE_K_ROWS, _exact)
+
+
+def test_wide_inputs_in_pieces_equal_the_uncut_fp32_panels(kernel_variant) -> None:
+    """A wide K cut in pieces (each tile's piece expanded, the sums continuing from the last piece's) gives the
+    fp32 panel kernel's result over the dequantized weights bit for bit: the same multiply-adds in the same order.
+    A fused matrix of three types (groups of 32 and of 16, parts not tile-aligned)."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = _weights(("Q4_K", "Q6_K", "Q8_0"), width + 3, 8960, width)
+    panels = kernel_variant.pack_panels(w)
+    x = torch.randn(128, 8960, generator=torch.Generator().manual_seed(11))
+    # blocks of 64 / 30 / 12 rows (AVX-512 / AVX2 / base): 90 and 128 rows end in no tail small enough for fused_rows
+    for m in (90, 128):
+        out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta)
+        assert torch.equal(out, kernel_variant.panel_linear(x[:m], panels, w.shape[0])), m
+    assert_fp32_matmul(out, x, w)
 
 
 def test_assert_helpers_fail_on_a_wrong_product() -> None:

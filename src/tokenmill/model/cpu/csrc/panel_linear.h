@@ -47,12 +47,20 @@ inline void store_panel_row(float* c, simd::Vec lo, simd::Vec hi, int64_t ncols)
 // c[r][0:ncols] = sum_d a[r * lda + d] * b[d * ldb + 0:kPanel] for r < R: one register block of an
 // outer-product matmul (b is a panel; ncols <= kPanel of it are stored). kPrefetch: also prefetch b 16 KB ahead
 // into L2, for panels read from memory (panel_linear); attention_prefill.h uses it on panels already in cache.
-template <int R, bool kPrefetch>
+// kAccumulate: c += the sum instead, the sum's multiply-adds continuing from c's values (a depth cut in pieces,
+// each piece accumulating onto the last, gives the uncut depth's result bit for bit).
+template <int R, bool kPrefetch, bool kAccumulate = false>
 inline void panel_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
                         int64_t ldc, int64_t ncols) {
   using namespace simd;
   Vec lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero();
+  if constexpr (kAccumulate) {
+    const int n0 = static_cast<int>(std::min<int64_t>(ncols, kLanes));
+    for (int r = 0; r < R; ++r)
+      lo[r] = load_n(c + r * ldc, n0), hi[r] = load_n(c + r * ldc + kLanes, static_cast<int>(ncols) - n0);
+  } else {
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero();
+  }
 #pragma GCC unroll 4
   for (int64_t d = 0; d < depth; ++d) {  // unrolled: the loop's own count and branch cost ~15% at 6 and 8 rows
     if constexpr (kPrefetch) prefetch_l2(reinterpret_cast<const char*>(b + d * ldb) + kPanelPrefetchBytes);
@@ -67,12 +75,12 @@ inline void panel_block(const float* a, int64_t lda, const float* b, int64_t ldb
 }
 
 // panel_block for a run-time number of rows, 1 <= rows <= R
-template <int R, bool kPrefetch>
+template <int R, bool kPrefetch, bool kAccumulate = false>
 inline void panel_block_n(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
                           int64_t ldc, int64_t ncols) {
   if constexpr (R >= 1) {
-    if (rows == R) return panel_block<R, kPrefetch>(a, lda, b, ldb, depth, c, ldc, ncols);
-    panel_block_n<R - 1, kPrefetch>(rows, a, lda, b, ldb, depth, c, ldc, ncols);
+    if (rows == R) return panel_block<R, kPrefetch, kAccumulate>(a, lda, b, ldb, depth, c, ldc, ncols);
+    panel_block_n<R - 1, kPrefetch, kAccumulate>(rows, a, lda, b, ldb, depth, c, ldc, ncols);
   }
 }
 

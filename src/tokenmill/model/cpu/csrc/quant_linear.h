@@ -28,7 +28,9 @@
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
 // registers, an outer product per input, scale and min once per group (fused_row, fused_rows); more rows (prefill) expand each tile into an fp32 panel and run panel_linear's
 // register-blocked kernel over it: once per call when the rows are more than one ~256 KB block of x (the
-// thread's panels then stream from cache as panel_linear's do from memory), else once per block. A matrix with
+// thread's panels then stream from cache as panel_linear's do from memory), else once per block. A wide K (a
+// down projection), whose blocks of x would hold only a few rows, goes in pieces of K instead (quant_linear_chunked:
+// each tile's piece expanded once per block of 64 rows, not per 8). A matrix with
 // quad-layout parts (quantization="gguf-q8") goes through quant_linear_q8: x rounded to 8 bits once, every row
 // count through the same integer-dot-product blocks (q8_rows).
 #pragma once
@@ -244,14 +246,15 @@ inline void fused_rows_n(int rows, const float* x, int64_t lda, const float* xsu
   }
 }
 
-// The tile as an fp32 panel [K, kPanel] (pack_panels' layout), for panel_linear's kernel.
+// Groups [g0, g1) of the tile as an fp32 panel [(g1 - g0) * group, kPanel] (pack_panels' layout), for
+// panel_linear's kernel.
 template <class F>
-inline void expand_panel(const uint8_t* tile, int64_t num_groups, float* panel) {
-  for (int64_t g = 0; g < num_groups; ++g) {
+inline void expand_groups(const uint8_t* tile, int64_t g0, int64_t g1, float* panel) {
+  for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* grp = F::group(tile, g);
     F::prefetch(tile, g);
     const auto p = F::params(tile, g);
-    float* out = panel + g * F::kGroup * kPanel;
+    float* out = panel + (g - g0) * F::kGroup * kPanel;
     for (int64_t d = 0; d < F::kGroup; ++d) {
       simd::Vec w0, w1;
       F::expand(grp, d, p, w0, w1);
@@ -260,16 +263,23 @@ inline void expand_panel(const uint8_t* tile, int64_t num_groups, float* panel) 
   }
 }
 
-// Rows [m0, m1) of x times one expanded tile (an fp32 panel [K, kPanel]), in near-equal register blocks.
-template <bool kPrefetch>
-inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* y, int64_t ldy,
-                       int64_t ncols) {
+// The whole tile as an fp32 panel [K, kPanel].
+template <class F>
+inline void expand_panel(const uint8_t* tile, int64_t num_groups, float* panel) {
+  expand_groups<F>(tile, 0, num_groups, panel);
+}
+
+// Rows [m0, m1) of x (rows lda apart) times an expanded panel [depth, kPanel], in near-equal register blocks;
+// kAccumulate: added to y (a later piece of the depth).
+template <bool kPrefetch, bool kAccumulate = false>
+inline void panel_rows(const float* x, int64_t lda, int64_t m0, int64_t m1, int64_t depth, const float* panel,
+                       float* y, int64_t ldy, int64_t ncols) {
   const int64_t num_chunks = (m1 - m0 + kPanelMaxRows - 1) / kPanelMaxRows;
   int64_t m = m0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t rows = (m1 - m) / (num_chunks - c);  // near-equal chunks of at most kPanelMaxRows
-    panel_block_n<kPanelMaxRows, kPrefetch>(static_cast<int>(rows), x + m * K, K, panel, kPanel, K, y + m * ldy,
-                                            ldy, ncols);
+    panel_block_n<kPanelMaxRows, kPrefetch, kAccumulate>(static_cast<int>(rows), x + m * lda, lda, panel, kPanel,
+                                                         depth, y + m * ldy, ldy, ncols);
     m += rows;
   }
 }
@@ -325,7 +335,7 @@ inline void tile_rows(const float* x, const float* xsum, int64_t m0, int64_t m1,
     return;
   }
   expand_panel<F>(tile, num_groups, panel);
-  panel_rows<false>(x, m0, m1, K, panel, y, ldy, ncols);
+  panel_rows<false>(x, K, m0, m1, K, panel, y, ldy, ncols);
 }
 
 // The whole tile's rows as fp32: out[r * K + k] for tile rows r < num_rows.
@@ -450,6 +460,7 @@ using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_
                             float*, int64_t, int64_t);
 using TileWeightsFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
 using ExpandPanelFn = void (*)(const uint8_t*, int64_t, float*);
+using ExpandGroupsFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
 
 struct QuantPart {
   const uint8_t* data = nullptr;  // the part's first tile
@@ -457,6 +468,8 @@ struct QuantPart {
   TileRowsFn tile_rows = nullptr;
   TileWeightsFn tile_weights = nullptr;
   ExpandPanelFn expand_panel = nullptr;
+  ExpandGroupsFn expand_groups = nullptr;
+  int64_t group = 0;  // inputs per group
   bool q8 = false;  // quad layout: multiplied by the activations rounded to 8 bits (q8_rows)
 };
 
@@ -475,6 +488,7 @@ inline void set_format(QuantPart& p, bool factored) {
     p.tile_rows = &tile_rows<F>;
     p.tile_weights = &tile_weights<F>;
     p.expand_panel = &expand_panel<F>;
+    p.expand_groups = &expand_groups<F>;
     p.tile_bytes = F::tile_bytes(p.num_groups);
   };
   if (factored)
@@ -502,7 +516,7 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     TORCH_CHECK(i == 0 || k == q.k, "every part has the same K");
     TORCH_CHECK(col == q.n, "part ", i, " must start at output row ", q.n);
     QuantPart p;
-    p.rows = rows, p.col = col, p.num_groups = k / group;
+    p.rows = rows, p.col = col, p.num_groups = k / group, p.group = group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
     TORCH_CHECK(layout == 0 || (layout == 1 && bits == 4 && group == 32 && has_min) ||
                     (layout == 2 && k % 256 == 0),
@@ -576,6 +590,54 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, flo
   });
 }
 
+// quant_linear_raw for a wide K (a down projection: Qwen2.5-1.5B's 8,960 inputs) and more rows than fused_rows
+// takes. Unchunked, a block of x rows that fits L2 is only a few rows there (K * 4 bytes each), so every block went
+// through fused_rows and every tile was expanded again per 8 rows. Here K goes in pieces of kQChunkInputs: per
+// block of rows (about kPanelRowBlockBytes of x per piece), per piece, each tile's piece is expanded into an fp32
+// panel (kQChunkPanelBytes, L2-resident) and multiplied by every row of the block, the sums continuing from the
+// last piece's (panel_block's kAccumulate): the depth's multiply-adds in the uncut order. A last block of at
+// most kQFusedRows rows takes tile_rows (fused_rows, fused_row).
+constexpr int64_t kQChunkPanelBytes = 128 * 1024;
+constexpr int64_t kQChunkInputs = std::max<int64_t>(256, kQChunkPanelBytes / (kPanel * 4) / 256 * 256);
+constexpr int64_t kQChunkRows =
+    std::max<int64_t>(kPanelMaxRows, kPanelRowBlockBytes / (kQChunkInputs * 4) / kPanelMaxRows * kPanelMaxRows);
+
+inline void quant_linear_chunked(const float* x, int64_t M, const QuantMatrix& w, float* y) {
+  const int64_t K = w.k, N = w.n;
+  const RowSums xsum(x, M, K, kQChunkRows);  // a last block small enough for fused_row(s)
+  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> panel;  // one tile's piece of K, expanded
+    if (panel.size() < size_t(kQChunkInputs * kPanel)) panel.resize(kQChunkInputs * kPanel);
+    const size_t p0 = static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t0) -
+                                          w.first_tile.begin() - 1);
+    for (int64_t m0 = 0; m0 < M; m0 += kQChunkRows) {
+      const int64_t m1 = std::min(M, m0 + kQChunkRows);
+      const bool few = m1 - m0 <= kQFusedRows;
+      for (int64_t k0 = 0; k0 < K; k0 += few ? K : kQChunkInputs) {
+        const int64_t k1 = std::min(K, k0 + kQChunkInputs);
+        size_t p = p0;
+        for (int64_t t = t0; t < t1; ++t) {
+          while (t >= w.first_tile[p + 1]) ++p;
+          const QuantPart& part = w.parts[p];
+          const int64_t local = t - w.first_tile[p];
+          const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
+          const uint8_t* tile = part.data + local * part.tile_bytes;
+          float* out = y + part.col + local * kPanel;
+          if (few) {
+            part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, nullptr, out, N, ncols);
+            continue;
+          }
+          part.expand_groups(tile, k0 / part.group, k1 / part.group, panel.data());
+          if (k0 == 0)
+            panel_rows<false, false>(x, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
+          else
+            panel_rows<false, true>(x + k0, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
+        }
+      }
+    }
+  });
+}
+
 // y [M, N] = x [M, K] @ W^T for a parsed quantized W; x and y contiguous.
 // expand_once_bytes: the most bytes of fp32 panels a thread expands once per call (kQExpandOnceBytes; the tests
 // set it to reach both paths at small shapes).
@@ -587,6 +649,10 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
       kPanelMaxRows, kPanelRowBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
   if (w.has_q8) {
     quant_linear_q8(x, M, w, y);
+    return;
+  }
+  if (M > kQFusedRows && block_rows <= std::max(kQFusedRows, kPanelMaxRows) && K > kQChunkInputs) {
+    quant_linear_chunked(x, M, w, y);  // a wide K: each tile would be expanded again for every block of few rows
     return;
   }
   const RowSums xsum(x, M, K, block_rows);
@@ -611,8 +677,8 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
           const size_t p = part_of(t);
           const int64_t local = t - w.first_tile[p];
           const int64_t ncols = std::min(kPanel, w.parts[p].rows - local * kPanel);
-          panel_rows<true>(x, m0, m1, K, panels.data() + (t - t0) * K * kPanel, y + w.parts[p].col + local * kPanel,
-                           N, ncols);
+          panel_rows<true>(x, K, m0, m1, K, panels.data() + (t - t0) * K * kPanel,
+                           y + w.parts[p].col + local * kPanel, N, ncols);
         }
       }
       return;
