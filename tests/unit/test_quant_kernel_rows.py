@@ -96,6 +96,15 @@ def test_wide_inputs_end_in_one_row_blocks(kernel_variant, type_name: str) -> No
     _sweep(kernel_variant, weight, w, 8960, WIDE_K_ROWS, _exact)
 
 
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_every_row_count_of_every_format_in_pieces(kernel_variant, type_name: str) -> None:
+    """K = 5,632 (TinyLlama's down projection): cut in pieces on every variant (AVX-512 past 4,096 inputs, AVX2 and
+    base past 5,461), the last piece short; every row count 1..300."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = _weights((type_name,), width + 3, 5632, width)
+    _sweep(kernel_variant, weight, w, 5632, range(1, MAX_ROWS + 1), _exact)
+
+
 def test_wide_inputs_in_pieces_equal_the_uncut_fp32_panels(kernel_variant) -> None:
     """A wide K cut in pieces (each tile's piece expanded, the sums continuing from the last piece's) gives the
     fp32 panel kernel's result over the dequantized weights bit for bit: the same multiply-adds in the same order.
