@@ -5,8 +5,8 @@
 
 The workload of issue 25: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
 output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
-same number of tokens. tokenmill runs them through ``Engine.generate`` on its exact default path (the continuous
-batching scheduler, no HTTP); llama.cpp through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each
+same number of tokens. tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
+HTTP) on its exact default path (``--quantizations gguf,gguf-q8`` adds the 8-bit-activation path); llama.cpp through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each
 request a ``/completion`` call with the token ids as the prompt, all in flight together); with ``--vllm-python``,
 vLLM's CPU backend through ``LLM.generate`` in its own virtualenv on an HF export of the same file
 (``benchmarks/vllm_peer.py``; dtype bf16 where AVX-512 BF16 is, float32 elsewhere). Each is warmed up untimed.
@@ -122,6 +122,11 @@ def main() -> None:
     parser.add_argument(
         "--vllm-dtype", default="auto", help="float32 or bfloat16 (auto: its best on this CPU)"
     )
+    parser.add_argument(
+        "--quantizations",
+        default="gguf",
+        help="tokenmill's runs, comma-separated (gguf: the exact default path; gguf-q8: llama.cpp's arithmetic)",
+    )
     args = parser.parse_args()
 
     from tokenmill.models import resolve
@@ -136,12 +141,15 @@ def main() -> None:
     print(
         f"# {len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {num_out} output tokens"
     )
-    tm = run_tokenmill(gguf, requests)
-    print(f"tokenmill (exact default path): {tm:.1f} s ({num_out / tm:.1f} output tok/s)", flush=True)
+    times_s = {}
+    for quantization in args.quantizations.split(","):
+        times_s[quantization] = tm = run_tokenmill(gguf, requests, quantization=quantization)
+        print(f"tokenmill ({quantization}): {tm:.1f} s ({num_out / tm:.1f} output tok/s)", flush=True)
     if args.llama_server:
         ls = run_llama_server(args.llama_server, gguf, requests, args.parallel)
         print(f"llama-server -np {args.parallel}: {ls:.1f} s ({num_out / ls:.1f} output tok/s)")
-        print(f"tokenmill / llama-server speed: {ls / tm:.2f}x")
+        for quantization, tm in times_s.items():
+            print(f"tokenmill ({quantization}) / llama-server speed: {ls / tm:.2f}x")
     if args.vllm_python:
         from benchmarks import vllm_peer
         from tokenmill.model.cpu import variants
@@ -154,7 +162,8 @@ def main() -> None:
         assert result["num_output_tokens"] == [m for _, m in requests], result["num_output_tokens"]
         vl = result["elapsed_s"]
         print(f"vLLM CPU ({dtype}, {hf_dir}): {vl:.1f} s ({num_out / vl:.1f} output tok/s)")
-        print(f"tokenmill / vLLM speed: {vl / tm:.2f}x")
+        for quantization, tm in times_s.items():
+            print(f"tokenmill ({quantization}) / vLLM speed: {vl / tm:.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,13 @@ from tiny_models import random_blocks
 
 from tokenmill.model.gguf_blocks import (
     FORMATS,
+    LAYOUT_BYTE_QUADS,
+    LAYOUT_BYTE_QUADS_FACTORED,
     LAYOUT_FACTORED,
     LAYOUT_INPUTS,
     LAYOUT_QUADS,
+    BlockFormat,
+    Groups,
     QuantizedWeight,
     factored,
     group_values,
@@ -197,7 +201,10 @@ def test_unsupported_type_is_a_value_error() -> None:
         to_groups("IQ2_XXS", np.zeros((1, 66), np.uint8), 256)
 
 
-# --- the 8-bit-activation path (quantization="gguf-q8"): 4-bit parts in the quad layout ---------------------
+# --- the 8-bit-activation path (quantization="gguf-q8"): 4-bit parts in the quad layout, 8-bit parts whose
+# codes lie in -32..31 in byte quads ---------------------------------------------------------------------------
+
+BYTE_QUAD_TYPES = ["Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"]
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -221,11 +228,15 @@ def quad_weight(type_name: str, rows: int, in_features: int, seed: int, tile_row
     )
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", *BYTE_QUAD_TYPES])
 @pytest.mark.parametrize("tile_rows", [8, 16, 32])
 def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> None:
     weight, expected = quad_weight(type_name, 37, 2 * _k(type_name), seed=tile_rows, tile_rows=tile_rows)
-    assert weight.int8_activations and weight.type_summary() == "4bit/g32/x8"
+    fmt = FORMATS[type_name]
+    assert weight.int8_activations and weight.type_summary() == f"{fmt.bits}bit/g{fmt.group}/x8"
+    if fmt.bits == 8:  # the K-quants keep their factored scales
+        factored = type_name.endswith("_K")
+        assert weight.meta[0, 8] == (LAYOUT_BYTE_QUADS_FACTORED if factored else LAYOUT_BYTE_QUADS)
     assert torch.equal(weight.dequantize(), expected)
     ids = torch.tensor([36, 0, 17])
     assert torch.equal(weight.dequantize(ids), expected[ids])
@@ -238,6 +249,14 @@ Q8_CASES = [
     (300, 93, 576, "Q4_1"),
     (2, 30, 64, "Q4_0"),
     (130, 6, 256, "Q4_K"),
+    (1, 200, 512, "Q6_K"),
+    (5, 70, 768, "Q6_K"),
+    (300, 33, 256, "Q6_K"),
+    (3, 40, 64, "Q5_0"),
+    (7, 40, 96, "Q5_1"),
+    (2, 41, 512, "Q5_K"),
+    (9, 17, 256, "Q3_K"),
+    (13, 50, 512, "Q2_K"),
 ]
 
 
@@ -263,34 +282,61 @@ def test_int8_activation_kernel_against_rounded_activations_in_float64(
     assert ((out - exact).abs() <= bound * 1.001 + 1e-5 * scale).all()
 
 
-def test_int8_activation_rows_do_not_depend_on_the_batch(kernel_variant) -> None:
+@pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 576), ("Q6_K", 512), ("Q5_0", 576)])
+def test_int8_activation_rows_do_not_depend_on_the_batch(
+    kernel_variant, type_name: str, in_features: int
+) -> None:
     """Each row's activations are rounded on their own and every row count runs the same arithmetic: a row's
     output is bit for bit the same alone, in a decode-sized batch and in a prefill-sized one."""
     width = kernel_variant.quant_tile_rows()
-    weight, _ = quad_weight("Q4_1", 70, 576, seed=5, tile_rows=width)
-    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(1))
+    weight, _ = quad_weight(type_name, 70, in_features, seed=5, tile_rows=width)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(1))
     full = kernel_variant.quant_linear(x, weight.data, weight.meta)
     for rows in (slice(0, 1), slice(3, 4), slice(0, 7), slice(100, 164)):
         assert torch.equal(kernel_variant.quant_linear(x[rows], weight.data, weight.meta), full[rows])
 
 
 def test_int8_activations_leave_other_formats_exact(kernel_variant) -> None:
-    """A fused Q4_K + Q6_K matrix: the Q4_K rows take the rounded activations, the Q6_K rows stay exact."""
+    """A fused Q4_K + Q6_K + Q8_0 matrix: the Q4_K and Q6_K rows take the rounded activations, the Q8_0 rows (codes
+    past -32..31) stay exact."""
     in_features = 512
-    raws = [random_blocks(t, r, in_features, seed) for t, r, seed in (("Q4_K", 9, 1), ("Q6_K", 5, 3))]
-    groups = [to_groups(t, r, in_features) for t, r in zip(("Q4_K", "Q6_K"), raws)]
+    types = (("Q4_K", 9, 1), ("Q6_K", 5, 3), ("Q8_0", 4, 2))
+    raws = [random_blocks(t, r, in_features, seed) for t, r, seed in types]
+    groups = [to_groups(t, r, in_features) for (t, _, _), r in zip(types, raws)]
     weight = QuantizedWeight.from_groups(groups, kernel_variant.quant_tile_rows(), int8_activations=True)
-    assert weight.type_summary() == "4bit/g32/x8+8bit/g16"
-    w4, w6 = reference("Q4_K", raws[0], in_features), reference("Q6_K", raws[1], in_features)
+    assert weight.type_summary() == "4bit/g32/x8+8bit/g16/x8+8bit/g32"
+    w = [reference(t, r, in_features) for (t, _, _), r in zip(types, raws)]
+    rounded_rows = torch.cat(w[:2])
     for num_rows in (1, 4, 20):
         x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
         out = kernel_variant.quant_linear(x, weight.data, weight.meta)
         rounded = round_activations(x)
-        scale = (rounded.abs() @ w4.double().abs().T).clamp_min(1e-30)
-        assert ((out[:, :9].double() - rounded @ w4.double().T).abs() / scale).max() < 1e-5
-        assert_fp32_matmul(out[:, 9:], x, w6)
-    ids = torch.arange(14)
-    assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), torch.cat([w4, w6]))
+        scale = (rounded.abs() @ rounded_rows.double().abs().T).clamp_min(1e-30)
+        assert ((out[:, :14].double() - rounded @ rounded_rows.double().T).abs() / scale).max() < 1e-5
+        assert_fp32_matmul(out[:, 14:], x, w[2])
+    ids = torch.arange(18)
+    assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), torch.cat(w))
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_byte_quads_extreme_codes_and_activations(kernel_variant, group: int, sign: int) -> None:
+    """Codes at the ends of -32..31 times activations at +-127 in every input, where AVX2's pairs of products come
+    closest to int16's limit (2 * 63 * 127) and a group's sum passes it: the sums must be exact integers."""
+    fmt = BlockFormat(8, group, False)
+    rows, in_features = 3, 256
+    codes = np.empty((rows, in_features // group, group), np.int8)
+    codes[0], codes[1], codes[2] = 31, -32, np.where(np.arange(group) % 2 == 0, 31, -32).astype(np.int8)
+    scale = np.full((rows, in_features // group), 0.5, np.float32)
+    groups = Groups(fmt, codes.view(np.uint8), scale, None)
+    weight = QuantizedWeight.from_groups([groups], kernel_variant.quant_tile_rows(), int8_activations=True)
+    assert weight.type_summary() == f"8bit/g{group}/x8"
+    x = torch.full((2, in_features), float(sign))  # codes +-127, s = 1 / 127
+    x[1, 1::2] = -sign
+    out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()
+    expected = round_activations(x) @ weight.dequantize().double().T
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert out[0, 0].item() == pytest.approx(sign * 0.5 * 31 * in_features, rel=1e-6)
 
 
 def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
@@ -305,6 +351,15 @@ def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
     groups = to_groups("Q8_0", random_blocks("Q8_0", 8, 64, 0), 64)
     with pytest.raises(ValueError, match="quad layout"):
         pack_groups(groups, 8, LAYOUT_QUADS)
+    # byte quads: 8-bit codes within -32..31 only (Q8_0's reach -128..127), and never a 4-bit part
+    for layout in (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED):
+        with pytest.raises(ValueError, match="byte quads"):
+            pack_groups(groups, 8, layout)
+    q4, _ = quantized("Q4_1", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
+    bad = q4.meta.clone()
+    bad[0, 8] = LAYOUT_BYTE_QUADS
+    with pytest.raises(RuntimeError, match="byte quads"):
+        kernel_variant.quant_linear(torch.randn(1, 64), q4.data, bad)
 
 
 def _min_max_4bit(values: np.ndarray) -> np.ndarray:

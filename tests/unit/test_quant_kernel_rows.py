@@ -73,19 +73,21 @@ def test_every_row_count_of_fused_mixed_types(kernel_variant) -> None:
     _sweep(kernel_variant, weight, w, IN_FEATURES, range(1, MAX_ROWS + 1), _exact)
 
 
-def test_every_row_count_of_the_8_bit_path(kernel_variant) -> None:
-    """gguf-q8: Q4_K parts in the quad layout (rounded activations) next to an exact Q6_K part."""
+@pytest.mark.parametrize("byte_type", ["Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"])
+def test_every_row_count_of_the_8_bit_path(kernel_variant, byte_type: str) -> None:
+    """gguf-q8: a Q4_K part in the quad layout and an 8-bit part in byte quads (both times the rounded
+    activations), next to an exact Q8_0 part; parts not tile-aligned."""
     width = kernel_variant.quant_tile_rows()
-    weight, w = _weights(("Q4_K", "Q6_K"), width + 3, IN_FEATURES, width, q8=True)
-    n4 = width + 3
-    x_rows = range(1, MAX_ROWS + 1)
+    n = width // 2 + 3
+    weight, w = _weights(("Q4_K", byte_type, "Q8_0"), n, IN_FEATURES, width, q8=True)
+    assert weight.type_summary().endswith("/x8+8bit/g32")
     x = torch.randn(MAX_ROWS, IN_FEATURES, generator=torch.Generator().manual_seed(3))
-    exp4, sc4 = _rounded(x, w[:n4])
-    exp6, sc6 = _exact(x, w[n4:])
-    for m in x_rows:
+    exp8, sc8 = _rounded(x, w[: 2 * n])
+    exp_exact, sc_exact = _exact(x, w[2 * n :])
+    for m in range(1, MAX_ROWS + 1):
         out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta).double()
-        assert ((out[:, :n4] - exp4[:m]).abs() / sc4[:m]).max() < 1e-5, m
-        assert ((out[:, n4:] - exp6[:m]).abs() / sc6[:m]).max() < 1e-5, m
+        assert ((out[:, : 2 * n] - exp8[:m]).abs() / sc8[:m]).max() < 1e-5, m
+        assert ((out[:, 2 * n :] - exp_exact[:m]).abs() / sc_exact[:m]).max() < 1e-5, m
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

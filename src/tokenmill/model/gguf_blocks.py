@@ -44,6 +44,11 @@ the kernel that rounds the activations to 8 bits per group of 32 and multiplies 
 (llama.cpp's arithmetic for these types): each group's codes in 8 quads of 4 inputs, byte j of a quad holding
 row j // 4 (low nibble) and row W/2 + j // 4 (high) at input j % 4 of the quad. The weights are the same fp32
 values (``dequantize`` reads both layouts); only the activations are rounded.
+
+Layouts 3 and 4 (``int8_activations``, the 8-bit formats whose codes lie in -32..31: Q6_K, Q5_0, Q5_1, Q5_K, Q3_K,
+Q2_K) are layout 0 and layout 2 with each group's codes reordered for the same kernel: in quads of 4 inputs, byte
+4c + j of a quad holding row c's code at input j plus :data:`BYTE_QUAD_BIAS` (0..63, an unsigned byte for the
+integer dot product; the kernel takes 32 times the activations' sum back). Same bytes, same weights.
 """
 
 from __future__ import annotations
@@ -56,6 +61,28 @@ import torch
 
 QK_K = 256  # weights per K-quant super-block
 LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_FACTORED = 0, 1, 2  # meta column 8
+LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED = 3, 4  # 8-bit codes in quads: layout 0's, layout 2's
+INT8_ACTIVATION_LAYOUTS = (LAYOUT_QUADS, LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED)
+BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
+
+
+def _byte_quads(codes: np.ndarray) -> np.ndarray:
+    """Codes ``[T, G, group, W]`` (int8 values as bytes, -32..31) -> bytes ``[T, G, group / 4, W, 4]``: quad u's byte 4c + j is row c's
+    code at input 4u + j, plus :data:`BYTE_QUAD_BIAS`."""
+    t, g, group, w = codes.shape
+    quads = codes.reshape(t, g, group // 4, 4, w).transpose(0, 1, 2, 4, 3)  # [T, G, quad, W, input]
+    return (quads.view(np.int8).astype(np.int16) + BYTE_QUAD_BIAS).astype(np.uint8)
+
+
+def takes_byte_quads(groups: Groups) -> bool:
+    """Whether an 8-bit part can be multiplied by 8-bit activations as byte quads: codes within -32..31 (Q6_K,
+    Q5_0, Q5_1, Q5_K, Q3_K, Q2_K; not Q8_0 or the IQ4 table values) and K a multiple of 32."""
+    codes = groups.codes.view(np.int8)  # the 8-bit formats' codes are int8 values as bytes
+    return (
+        groups.fmt.bits == 8
+        and codes.shape[1] * groups.fmt.group % 32 == 0
+        and (codes.size == 0 or (int(codes.min()) >= -BYTE_QUAD_BIAS and int(codes.max()) < BYTE_QUAD_BIAS))
+    )
 
 
 class BlockFormat(NamedTuple):
@@ -350,8 +377,10 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         return a.reshape(num_tiles, tile_rows, *a.shape[1:])
 
     half = tile_rows // 2
-    if layout == LAYOUT_FACTORED:
-        return _pack_factored(groups, tiles, num_tiles)
+    if layout in (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED) and not takes_byte_quads(groups):
+        raise ValueError(f"byte quads take 8-bit codes in -32..31 and K a multiple of 32, not {fmt}")
+    if layout in (LAYOUT_FACTORED, LAYOUT_BYTE_QUADS_FACTORED):
+        return _pack_factored(groups, tiles, num_tiles, byte_quads=layout == LAYOUT_BYTE_QUADS_FACTORED)
     fields = [tiles(groups.scale).transpose(0, 2, 1)]  # [tiles, G, tile_rows] float32
     if fmt.has_min:
         assert groups.min is not None
@@ -366,9 +395,11 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         codes = np.ascontiguousarray(packed).reshape(num_tiles, num_groups, -1)
         return np.concatenate([*heads, codes], axis=-1).reshape(-1)
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [tiles, G, group, tile_rows]: the rows of one input
-    if fmt.bits == 4:
+    if layout == LAYOUT_BYTE_QUADS:
+        codes = _byte_quads(codes)
+    elif fmt.bits == 4:
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
-    codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
+    codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
     return np.concatenate([*heads, codes], axis=-1).reshape(-1)  # [tiles, G, group bytes]
 
 
@@ -416,9 +447,10 @@ def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
     return out
 
 
-def _pack_factored(groups: Groups, tiles, num_tiles: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _pack_factored(groups: Groups, tiles, num_tiles: int, byte_quads: bool = False) -> np.ndarray:  # type: ignore[no-untyped-def]
     """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp32 units (scale, then min), then per
-    group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them."""
+    group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them (layout 4,
+    ``byte_quads``: as layout 3 stores them)."""
     pairs = _factors(groups)
     if pairs is None:
         raise ValueError("these groups' scales are not a unit per super-block times int8 multipliers")
@@ -432,9 +464,11 @@ def _pack_factored(groups: Groups, tiles, num_tiles: int) -> np.ndarray:  # type
     )  # [T, S, 4W per field]
     mults = [tiles(m).transpose(0, 2, 1).view(np.uint8) for _, m in pairs]  # [T, G, W] each
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [T, G, group, W]
-    if fmt.bits == 4:
+    if byte_quads:
+        codes = _byte_quads(codes)
+    elif fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
-    codes = np.ascontiguousarray(codes).reshape(num_tiles, num_groups, -1)
+    codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
     grps = np.concatenate([*mults, codes], axis=-1).reshape(
         num_tiles, num_super, -1
     )  # [T, S, per_super * bytes]
@@ -462,13 +496,13 @@ class QuantizedWeight:
 
     def type_summary(self) -> str:
         return "+".join(
-            f"{b}bit/g{g}" + ("/x8" if layout == LAYOUT_QUADS else "")
+            f"{b}bit/g{g}" + ("/x8" if layout in INT8_ACTIVATION_LAYOUTS else "")
             for b, g, layout in self.meta[:, [3, 4, 8]].tolist()
         )
 
     @property
     def int8_activations(self) -> bool:
-        return bool((self.meta[:, 8] == LAYOUT_QUADS).any())
+        return bool(np.isin(self.meta[:, 8].numpy(), INT8_ACTIVATION_LAYOUTS).any())
 
     @classmethod
     def from_groups(
@@ -477,16 +511,20 @@ class QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
         ``tile_rows``: the kernels' panel width (``cpu.kernels.quant_tile_rows()``); any even number for the
-        torch path alone. ``int8_activations``: 4-bit parts in the quad layout (the kernel then rounds the
-        activations to 8 bits); other formats stay exact.
+        torch path alone. ``int8_activations``: 4-bit parts in the quad layout and 8-bit ones whose codes lie in
+        -32..31 in byte quads (the kernel then rounds the activations to 8 bits); other parts (Q8_0, IQ4) stay exact.
         """
         chunks, meta, offset, row = [], [], 0, 0
         in_features = parts[0].codes.shape[1] * parts[0].fmt.group
         for g in parts:
             if g.codes.shape[1] * g.fmt.group != in_features:
                 raise ValueError("stacked quantized parts must have the same number of input features")
-            quads = int8_activations and g.fmt == BlockFormat(4, 32, True)
-            layout = LAYOUT_QUADS if quads else LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
+            if int8_activations and g.fmt == BlockFormat(4, 32, True):
+                layout = LAYOUT_QUADS
+            elif int8_activations and takes_byte_quads(g):
+                layout = LAYOUT_BYTE_QUADS_FACTORED if factored(g) else LAYOUT_BYTE_QUADS
+            else:
+                layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
             packed = pack_groups(g, tile_rows, layout)
             rows = g.codes.shape[0]
             meta.append(
@@ -513,8 +551,12 @@ class QuantizedWeight:
         out = []
         for offset, n, k, bits, group, has_min, _, width, layout in self.meta.tolist():
             num_groups, num_tiles = k // group, -(-n // width)
-            if layout == LAYOUT_FACTORED:
-                out.append(self._dequantize_factored(offset, n, k, bits, group, has_min, width))
+            if layout in (LAYOUT_FACTORED, LAYOUT_BYTE_QUADS_FACTORED):
+                out.append(
+                    self._dequantize_factored(
+                        offset, n, k, bits, group, has_min, width, layout == LAYOUT_BYTE_QUADS_FACTORED
+                    )
+                )
                 continue
             head = (2 if has_min else 1) * 4 * width
             group_bytes = head + group * width * bits // 8
@@ -528,6 +570,8 @@ class QuantizedWeight:
                 quads = tiles[..., head:].reshape(num_tiles, num_groups, 8, width // 2, 4)
                 q = torch.cat([quads & 15, quads >> 4], dim=3).permute(0, 1, 2, 4, 3)
                 q = q.reshape(num_tiles, num_groups, group, width).float()
+            elif layout == LAYOUT_BYTE_QUADS:
+                q = _from_byte_quads(tiles[..., head:], group, width)
             elif bits == 4:
                 q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
             else:
@@ -542,7 +586,7 @@ class QuantizedWeight:
         return full if rows is None else full[rows]
 
     def _dequantize_factored(
-        self, offset: int, n: int, k: int, bits: int, group: int, has_min: int, width: int
+        self, offset: int, n: int, k: int, bits: int, group: int, has_min: int, width: int, byte_quads: bool
     ) -> torch.Tensor:
         """One layout-2 part as fp32 ``[n, k]``: scale = unit * multiplier (exact), then as layout 0."""
         num_groups, num_tiles = k // group, -(-n // width)
@@ -560,9 +604,18 @@ class QuantizedWeight:
         factor = factor.reshape(num_tiles, num_groups, 1, fields * width)
         scale = factor[..., :width]  # [T, G, 1, W]
         codes = grps[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
-        if bits == 4:
+        if byte_quads:
+            q = _from_byte_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), group, width)
+        elif bits == 4:
             q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
         else:
             q = codes.contiguous().view(torch.int8).float()
         w = torch.addcmul(factor[..., width:], q, scale) if has_min else q * scale
         return w.permute(0, 3, 1, 2).reshape(num_tiles * width, k)[:n]  # [T, W, G, group] -> rows
+
+
+def _from_byte_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:
+    """Byte-quad codes ``[T, G, group * W]`` (uint8) -> codes ``[T, G, group, W]`` as floats."""
+    t, g = raw.shape[:2]
+    quads = raw.reshape(t, g, group // 4, width, 4).permute(0, 1, 2, 4, 3)  # [T, G, quad, input, W]
+    return quads.reshape(t, g, group, width).float() - BYTE_QUAD_BIAS

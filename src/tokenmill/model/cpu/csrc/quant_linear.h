@@ -20,9 +20,10 @@
 // one panel row of panel_linear: two vectors of weights, with no transpose. A matrix is one or more parts
 // stacked along N (a fused qkv whose v is Q6_K and q, k Q4_K), each with its own format: `meta` [P, 9] int64
 // rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows, layout). Layout 0 is the one
-// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below); layout 2
-// (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales and mins
-// as int8 multipliers of per-super-block fp32 units (Fmt's kFactored): the same values in fewer bytes.
+// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below), layouts
+// 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad);
+// layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
+// and mins as int8 multipliers of per-super-block fp32 units (Fmt's kFactored): the same values in fewer bytes.
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
@@ -31,8 +32,8 @@
 // thread's panels then stream from cache as panel_linear's do from memory), else once per block. A wide K (a
 // down projection), whose blocks of x would hold only a few rows, goes in pieces of K instead (quant_linear_chunked:
 // each tile's piece expanded once per block of 64 rows, not per 8). A matrix with
-// quad-layout parts (quantization="gguf-q8") goes through quant_linear_q8: x rounded to 8 bits once, every row
-// count through the same integer-dot-product blocks (q8_rows).
+// quad-layout parts (quantization="gguf-q8": Q4Quad, ByteQuad) goes through quant_linear_q8: x rounded to 8 bits
+// once, every row count through the same integer-dot-product blocks (q8_rows).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -139,13 +140,18 @@ struct Fmt {
   static_assert(!kMin || Group == 32 || Group == 16, "the one-row path has x's sums over groups of 32 and 16");
   // the weight of tile row r (< kPanel) in group g at input d, as a scalar: the embedding lookup's path
   static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
-    const uint8_t* grp = group(tile, g);
-    const uint8_t* c = grp + kHead + d * kInputBytes;
-    float q, scale, minimum = 0.f;
+    const uint8_t* c = group(tile, g) + kHead + d * kInputBytes;
+    float q;
     if constexpr (Bits == 4)
       q = static_cast<float>(r < kPanel / 2 ? c[r] & 15 : c[r - kPanel / 2] >> 4);
     else
       q = static_cast<float>(static_cast<int8_t>(c[r]));
+    return scaled(tile, g, r, q);
+  }
+  // code q of tile row r in group g as its weight: q * scale (+ min), one rounding
+  static float scaled(const uint8_t* tile, int64_t g, int64_t r, float q) {
+    const uint8_t* grp = group(tile, g);
+    float scale, minimum = 0.f;
     if constexpr (kFactored) {
       const float* u = reinterpret_cast<const float*>(tile + (g / kPerSuper) * kSuperBytes);
       scale = u[r] * static_cast<float>(static_cast<int8_t>(grp[r]));
@@ -350,10 +356,25 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
 // row kPanel / 2 + j / 4 (high nibble) at input 4u + j % 4. One load and two masks give simd::qdot its operands.
 struct Q4Quad {
   static constexpr int kGroup = 32;
+  static constexpr int kNumQuads = 8;
+  static constexpr bool kHasMin = true;
+  static constexpr int32_t kBias = 0;  // codes stored as they are
   static constexpr int64_t kHead = 2 * kPanel * 4;
   static constexpr int64_t kQuadBytes = 2 * kPanel;
   static constexpr int64_t kGroupBytes = kHead + 8 * kQuadBytes;
-  static void prefetch(const uint8_t* g) { prefetch_group(g, kGroupBytes); }
+  static const uint8_t* group(const uint8_t* tile, int64_t g) { return tile + g * kGroupBytes; }
+  static void prefetch(const uint8_t* tile, int64_t g) { prefetch_group(group(tile, g), kGroupBytes); }
+  static typename Fmt<4, 32, true>::Params params(const uint8_t* tile, int64_t g) {
+    const float* f = reinterpret_cast<const float*>(group(tile, g));
+    return {simd::load(f), simd::load(f + simd::kLanes), simd::load(f + kPanel), simd::load(f + kPanel + simd::kLanes)};
+  }
+  // quad u's codes: tile rows 0 .. kLanes - 1 (low nibbles) and kLanes .. kPanel - 1 (high)
+  static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
+    simd::q4_quad(grp + kHead + u * kQuadBytes, w0, w1);
+  }
+  using Acc = simd::QAcc;  // int16 pairs on AVX2: 8 quads of codes below 16 cannot overflow them
+  static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot(a, w, x); }
+  static simd::Vec to_float(Acc a, int32_t) { return simd::qacc_to_float(a); }
   static float weight(const uint8_t* tile, int64_t group, int64_t d, int64_t r) {  // as Fmt::weight's value
     const uint8_t* g = tile + group * kGroupBytes;
     const float* f = reinterpret_cast<const float*>(g);
@@ -364,17 +385,49 @@ struct Q4Quad {
   }
 };
 
+// Byte codes in quads, for 8-bit activations (meta layouts 3 and 4: layout 0's or layout 2's scales, mins and
+// super-block units, with the codes of each group reordered; quantization="gguf-q8" on the 8-bit formats whose
+// codes lie in -32..31: Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K). Per group, Group / 4 quads of 4 consecutive inputs,
+// each 4 * kPanel bytes: byte 4c + j holds tile row c's code at input 4u + j plus kBias (0..63, vpdpbusd's unsigned
+// operand). The integer sums take kBias times the activations' code sum back: each group's dot product of codes
+// and 8-bit activations exact, as llama.cpp computes Q6_K times Q8_K.
+template <int Group, bool kMin, bool kFactored>
+struct ByteQuad : Fmt<8, Group, kMin, kFactored> {
+  using Base = Fmt<8, Group, kMin, kFactored>;
+  static constexpr int kNumQuads = Group / 4;
+  static constexpr int32_t kBias = 32;
+  static constexpr int64_t kQuadBytes = 4 * kPanel;
+  static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
+    const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
+    w0 = simd::byte_quad(q), w1 = simd::byte_quad(q + 4 * simd::kLanes);
+  }
+  using Acc = simd::QAcc32;
+  static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot32(a, w, x); }
+  static simd::Vec to_float(Acc a, int32_t offset) { return simd::qacc32_to_float(a, offset); }
+  static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
+    const uint8_t* q = Base::group(tile, g) + Base::kHead + (d / 4) * kQuadBytes;
+    return Base::scaled(tile, g, r, static_cast<float>(int32_t(q[4 * r + d % 4]) - kBias));
+  }
+};
+
 // Activations rounded to 8 bits per group of 32 inputs (llama.cpp's Q8_1 arithmetic): for each row, codes [K] in
 // [-127, 127], and per group its scale s = max|x| / 127 (x ~ code * s) and s * (sum of its codes), for the mins.
 struct Q8Acts {
   const int8_t* q;
   const float* scale;
   const float* scaled_sum;
+  const int32_t* sum16;  // [M, K / 16]: each 16 inputs' code sum (ByteQuad's bias and mins)
   int64_t K, G;
+  // row m's code sum over group g of `group` (16 or 32) inputs
+  int32_t code_sum(int64_t m, int64_t g, int group) const {
+    const int32_t* s = sum16 + m * (K / 16);
+    return group == 16 ? s[g] : s[2 * g] + s[2 * g + 1];
+  }
 };
 
 // x [M, K] -> codes, scales and scaled sums: code = round_to_even(x * (1 / s)), 0 for an all-zero group.
-inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* scaled_sum) {
+inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* scaled_sum,
+                          int32_t* sum16) {
   using namespace simd;
   const int64_t G = K / Q4Quad::kGroup;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -392,6 +445,12 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
         }
         scale[m * G + g] = s;
         scaled_sum[m * G + g] = s * reduce_add(sum);
+        for (int h = 0; h < 2; ++h) {
+          const int8_t* c = q + m * K + g * Q4Quad::kGroup + 16 * h;
+          int32_t t = 0;
+          for (int i = 0; i < 16; ++i) t += c[i];
+          sum16[m * (K / 16) + 2 * g + h] = t;
+        }
       }
   });
 }
@@ -399,59 +458,67 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
 // Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
 constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
 
-// c[r][0:ncols] for rows m .. m + R - 1 of the activations times one quad-layout tile: per group, the integer
-// dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
-template <int R>
+// c[r][0:ncols] for rows m .. m + R - 1 of the activations times one tile of F (Q4Quad, ByteQuad): per group, the
+// integer dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
+template <class F, int R>
 inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, int64_t ldc, int64_t ncols) {
   using namespace simd;
   Vec f0[R], f1[R];
   for (int r = 0; r < R; ++r) f0[r] = f1[r] = zero();
-  for (int64_t g = 0; g < x.G; ++g) {
-    const uint8_t* grp = tile + g * Q4Quad::kGroupBytes;
-    Q4Quad::prefetch(grp);
-    const uint8_t* quads = grp + Q4Quad::kHead;
-    const int8_t* xg = x.q + m * x.K + g * Q4Quad::kGroup;
-    QAcc a0[R], a1[R];
+  const int64_t num_groups = x.K / F::kGroup;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const uint8_t* grp = F::group(tile, g);
+    F::prefetch(tile, g);
+    const int8_t* xg = x.q + m * x.K + g * F::kGroup;
+    typename F::Acc a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = qacc_zero();
 #pragma GCC unroll 2
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < F::kNumQuads; ++u) {
       QVec w0, w1;
-      q4_quad(quads + u * Q4Quad::kQuadBytes, w0, w1);
+      F::quad(grp, u, w0, w1);
       for (int r = 0; r < R; ++r) {
         const QVec xv = x_quad(xg + r * x.K + 4 * u);
-        a0[r] = qdot(a0[r], w0, xv);
-        a1[r] = qdot(a1[r], w1, xv);
+        a0[r] = F::dot(a0[r], w0, xv);
+        a1[r] = F::dot(a1[r], w1, xv);
       }
     }
-    const float* f = reinterpret_cast<const float*>(grp);
-    const Vec s0 = load(f), s1 = load(f + kLanes), mn0 = load(f + kPanel), mn1 = load(f + kPanel + kLanes);
+    const auto p = F::params(tile, g);
+    const int64_t gx = g * F::kGroup / Q4Quad::kGroup;  // the activations' group of 32
     for (int r = 0; r < R; ++r) {
-      const Vec xs = set1(x.scale[(m + r) * x.G + g]), xm = set1(x.scaled_sum[(m + r) * x.G + g]);
-      f0[r] = fmadd(mn0, xm, fmadd(qacc_to_float(a0[r]), mul(s0, xs), f0[r]));
-      f1[r] = fmadd(mn1, xm, fmadd(qacc_to_float(a1[r]), mul(s1, xs), f1[r]));
+      const float s = x.scale[(m + r) * x.G + gx];
+      const int32_t sum = F::kBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
+      const Vec xs = set1(s);
+      f0[r] = fmadd(F::to_float(a0[r], F::kBias * sum), mul(p.s0, xs), f0[r]);
+      f1[r] = fmadd(F::to_float(a1[r], F::kBias * sum), mul(p.s1, xs), f1[r]);
+      if constexpr (F::kHasMin) {
+        const Vec xm = set1(F::kGroup == Q4Quad::kGroup ? x.scaled_sum[(m + r) * x.G + gx] : s * float(sum));
+        f0[r] = fmadd(p.m0, xm, f0[r]);
+        f1[r] = fmadd(p.m1, xm, f1[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) store_panel_row(c + r * ldc, f0[r], f1[r], ncols);
 }
 
-template <int R>
+template <class F, int R>
 inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, int64_t ldc,
                        int64_t ncols) {
   if constexpr (R >= 1) {
-    if (rows == R) return q8_block<R>(x, m, tile, c, ldc, ncols);
-    q8_block_n<R - 1>(rows, x, m, tile, c, ldc, ncols);
+    if (rows == R) return q8_block<F, R>(x, m, tile, c, ldc, ncols);
+    q8_block_n<F, R - 1>(rows, x, m, tile, c, ldc, ncols);
   }
 }
 
-// Rows [m0, m1) times one quad-layout tile, in near-equal register blocks; every row count takes the same
-// arithmetic (an output's value does not depend on the batch it came in).
+// Rows [m0, m1) times one tile of F, in near-equal register blocks; every row count takes the same arithmetic (an
+// output's value does not depend on the batch it came in).
+template <class F>
 inline void q8_rows(const Q8Acts& x, int64_t m0, int64_t m1, const uint8_t* tile, float* y, int64_t ldy,
                     int64_t ncols) {
   const int64_t num_chunks = (m1 - m0 + kQ8Rows - 1) / kQ8Rows;
   int64_t m = m0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t rows = (m1 - m) / (num_chunks - c);
-    q8_block_n<kQ8Rows>(static_cast<int>(rows), x, m, tile, y + m * ldy, ldy, ncols);
+    q8_block_n<F, kQ8Rows>(static_cast<int>(rows), x, m, tile, y + m * ldy, ldy, ncols);
     m += rows;
   }
 }
@@ -461,6 +528,7 @@ using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_
 using TileWeightsFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
 using ExpandPanelFn = void (*)(const uint8_t*, int64_t, float*);
 using ExpandGroupsFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
+using Q8RowsFn = void (*)(const Q8Acts&, int64_t, int64_t, const uint8_t*, float*, int64_t, int64_t);
 
 struct QuantPart {
   const uint8_t* data = nullptr;  // the part's first tile
@@ -470,7 +538,7 @@ struct QuantPart {
   ExpandPanelFn expand_panel = nullptr;
   ExpandGroupsFn expand_groups = nullptr;
   int64_t group = 0;  // inputs per group
-  bool q8 = false;  // quad layout: multiplied by the activations rounded to 8 bits (q8_rows)
+  Q8RowsFn q8_rows = nullptr;  // quad layouts: multiplied by the activations rounded to 8 bits (else exact)
 };
 
 struct QuantMatrix {
@@ -497,6 +565,23 @@ inline void set_format(QuantPart& p, bool factored) {
     set(Fmt<Bits, Group, kMin, false>{});
 }
 
+template <int Group, bool kMin, bool kFactored>
+inline void set_byte_quad(QuantPart& p) {
+  using F = ByteQuad<Group, kMin, kFactored>;
+  p.q8_rows = &q8_rows<F>;
+  p.tile_weights = &tile_weights<F>;
+  p.tile_bytes = F::tile_bytes(p.num_groups);
+}
+
+inline void set_byte_quads(QuantPart& p, int64_t group, bool has_min, bool factored) {
+  if (group == 16)
+    has_min ? (factored ? set_byte_quad<16, true, true>(p) : set_byte_quad<16, true, false>(p))
+            : (factored ? set_byte_quad<16, false, true>(p) : set_byte_quad<16, false, false>(p));
+  else
+    has_min ? (factored ? set_byte_quad<32, true, true>(p) : set_byte_quad<32, true, false>(p))
+            : (factored ? set_byte_quad<32, false, true>(p) : set_byte_quad<32, false, false>(p));
+}
+
 // data: uint8 [bytes]; meta: int64 [P, 9] as described at the top. Checks every part against the buffer.
 inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Tensor& meta) {
   TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.dim() == 1 && data.is_contiguous() && !data.is_cuda(),
@@ -518,15 +603,22 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     QuantPart p;
     p.rows = rows, p.col = col, p.num_groups = k / group, p.group = group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
+    const bool byte_quads = (layout == 3 || layout == 4) && bits == 8 && (group == 16 || group == 32) && k % 32 == 0;
     TORCH_CHECK(layout == 0 || (layout == 1 && bits == 4 && group == 32 && has_min) ||
-                    (layout == 2 && k % 256 == 0),
+                    ((layout == 2 || layout == 4) && k % 256 == 0) || (layout == 3 && byte_quads),
                 "part ", i, ": layout ", layout,
-                " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256)");
-    const bool factored = layout == 2;
+                " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256;"
+                " 3, 4: byte quads of 8-bit groups of 16 or 32, K a multiple of 32, 4 factored as 2)");
+    TORCH_CHECK(layout < 3 || byte_quads, "part ", i, ": byte quads take 8-bit groups of 16 or 32, K a multiple of 32");
+    const bool factored = layout == 2 || layout == 4;
     if (layout == 1) {
-      p.q8 = true, q.has_q8 = true;
+      q.has_q8 = true;
+      p.q8_rows = &q8_rows<Q4Quad>;
       p.tile_weights = &tile_weights<Q4Quad>;
       p.tile_bytes = p.num_groups * Q4Quad::kGroupBytes;
+    } else if (byte_quads) {
+      q.has_q8 = true;
+      set_byte_quads(p, group, has_min, factored);
     } else if (bits == 4 && group == 32 && has_min)
       set_format<4, 32, true>(p, factored);
     else if (bits == 8 && group == 32 && !has_min)
@@ -553,16 +645,17 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
 }  // namespace
 
 // quant_linear_raw for a matrix with quad-layout parts: the activations rounded to 8 bits once (buffers kept
-// across calls: a prefill's are megabytes), then every tile by its part's path (a Q6_K part of a fused matrix stays
+// across calls: a prefill's are megabytes), then every tile by its part's path (a Q8_0 part of a fused matrix stays
 // exact), rows in blocks of ~256 KB of codes.
 inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, float* y) {
   const int64_t K = w.k, N = w.n, G = K / Q4Quad::kGroup;
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> scales, scaled_sums;
+  thread_local std::vector<int32_t> sums16;
   if (codes.size() < size_t(M * K)) codes.resize(M * K);
-  if (scales.size() < size_t(M * G)) scales.resize(M * G), scaled_sums.resize(M * G);
-  quantize_acts(x, M, K, codes.data(), scales.data(), scaled_sums.data());
-  const Q8Acts acts{codes.data(), scales.data(), scaled_sums.data(), K, G};
+  if (scales.size() < size_t(M * G)) scales.resize(M * G), scaled_sums.resize(M * G), sums16.resize(2 * M * G);
+  quantize_acts(x, M, K, codes.data(), scales.data(), scaled_sums.data(), sums16.data());
+  const Q8Acts acts{codes.data(), scales.data(), scaled_sums.data(), sums16.data(), K, G};
   const int64_t block_rows = std::max<int64_t>(kQ8Rows, kPanelRowBlockBytes / K / kQ8Rows * kQ8Rows);
   const RowSums xsum(x, M, K, block_rows);  // for the exact parts' small blocks
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
@@ -578,8 +671,8 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, flo
         const int64_t local = t - w.first_tile[p];
         const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
         const uint8_t* tile = part.data + local * part.tile_bytes;
-        if (part.q8) {
-          q8_rows(acts, m0, m1, tile, y + part.col + local * kPanel, N, ncols);
+        if (part.q8_rows) {
+          part.q8_rows(acts, m0, m1, tile, y + part.col + local * kPanel, N, ncols);
         } else {
           if (M > kQFusedRows && panel.empty()) panel.resize(K * kPanel);
           part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(),

@@ -111,6 +111,14 @@ inline QVec x_quad(const int8_t* p) {  // four activations, in every output's la
 }
 inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return _mm512_dpbusd_epi32(acc, codes, x); }
 inline Vec qacc_to_float(QAcc a) { return _mm512_cvtepi32_ps(a); }
+// Byte codes (0..63) times 8-bit activations, in int32 lanes whatever the group (quant_linear.h's ByteQuad):
+// minus `offset` (an integer per row and group, the codes' bias times the sum of the activations) before converting.
+using QAcc32 = __m512i;
+inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) { return _mm512_dpbusd_epi32(acc, codes, x); }
+inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(offset)));
+}
+inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline Vec vabs(Vec a) { return _mm512_abs_ps(a); }
 // kLanes integral floats in [-127, 127] as int8
 inline void store_i8(int8_t* p, Vec a) {
@@ -205,6 +213,16 @@ inline QVec x_quad(const int8_t* p) {
 }
 inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, x)); }
 inline Vec qacc_to_float(QAcc a) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a, _mm256_set1_epi16(1))); }
+// Byte codes (0..63) times 8-bit activations: a pair of products fits int16 (2 * 63 * 127 = 16,002) but a group's
+// sum does not, so each quad's pairs join into int32 lanes at once (vpmaddwd by ones).
+using QAcc32 = __m256i;  // kLanes int32 sums
+inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
+}
+inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
+}
+inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Vec vabs(Vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
 inline void store_i8(int8_t* p, Vec a) {
   const __m256i i = _mm256_cvtps_epi32(a);
@@ -326,6 +344,19 @@ inline QAcc qdot(QAcc acc, QVec codes, QVec x) {
 inline Vec qacc_to_float(QAcc a) {
   Vec r;
   for (int c = 0; c < kLanes; ++c) r[c] = static_cast<float>(a[c]);
+  return r;
+}
+// Byte codes times 8-bit activations: qdot's int32 sums, minus `offset` before converting.
+using QAcc32 = QAcc;
+inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) { return qdot(acc, codes, x); }
+inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
+  Vec r;
+  for (int c = 0; c < kLanes; ++c) r[c] = static_cast<float>(a[c] - offset);
+  return r;
+}
+inline QVec byte_quad(const uint8_t* p) {
+  QVec r;
+  std::memcpy(&r, p, sizeof(r));
   return r;
 }
 inline Vec vabs(Vec a) {
