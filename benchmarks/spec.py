@@ -20,6 +20,12 @@ identical to ``off``'s, and speculation's counts: acceptance rate (accepted / pr
 length (tokens per verification row: 1 + accepted / verifications) and the waste (decode positions computed for
 rejected tokens).
 Times are this machine's; the counts hold anywhere.
+
+Where ``off`` runs, each workload's line after the table bounds prompt lookup from ``off``'s own outputs: the
+speed-up it would give if verifying cost nothing, ``tokens / steps`` when every step takes 1 + the accepted length
+of the proposal the ngram proposer (``core/proposers.py``, no back-off) makes there, for ``num_speculative_tokens``
+and for proposals of any length. A count, true on any machine: a target above it is out of the method's reach on
+that workload whatever the kernels.
 """
 
 from __future__ import annotations
@@ -144,6 +150,37 @@ def run_one(engine: Any, prompts: list[list[int]], max_tokens: int, concurrency:
     }
 
 
+def ngram_bound(
+    prompts: list[list[int]], outputs: list[list[int]], num_speculative_tokens: int
+) -> tuple[int, int, int]:
+    """(tokens, steps, steps with a proposal) if prompt lookup's proposals were verified for free: the outputs
+    replayed through the ngram proposer, each step emitting 1 + the proposal's agreement with the output."""
+    from types import SimpleNamespace
+
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.core.proposers import NgramProposer, _State
+
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=num_speculative_tokens))
+    num_tokens = num_steps = num_proposals = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        state, t = _State(), 0
+        while t < len(output):
+            request = SimpleNamespace(all_token_ids=prompt + output[:t], grammar=None)
+            proposal = proposer._propose(state, request, num_speculative_tokens)  # type: ignore[arg-type]
+            accepted = 0
+            while (
+                accepted < len(proposal)
+                and t + accepted < len(output)
+                and proposal[accepted] == output[t + accepted]
+            ):
+                accepted += 1
+            num_proposals += bool(proposal)
+            num_steps += 1
+            t += 1 + accepted
+        num_tokens += len(output)
+    return num_tokens, num_steps, num_proposals
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -206,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("| --- " * 10 + "|")
     rows = []
+    bounds = []
     for kind in args.workloads.split(","):
         for conc in (int(c) for c in args.concurrency.split(",")):
             base: dict[str, Any] | None = None
@@ -214,6 +252,15 @@ def main(argv: list[str] | None = None) -> None:
                 r = run_one(engine, prompts, args.max_tokens, conc)
                 if method == "off" or base is None:
                     base = r
+                if method == "off" and conc == 1:
+                    k = args.num_speculative_tokens
+                    found = [ngram_bound(prompts, r["token_ids"], n) for n in (k, 1 << 20)]
+                    bounds.append(
+                        f"# {kind}: prompt lookup with free verification, from off's outputs: at most "
+                        f"{found[0][0] / found[0][1]:.2f}x (k = {k}; {found[0][0]} tokens in {found[0][1]} steps, "
+                        f"{found[0][2]} with a proposal), {found[1][0] / found[1][1]:.2f}x with proposals of any "
+                        "length"
+                    )
                 same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"])) / len(prompts)
                 speedup = r["output_tps"] / base["output_tps"]
                 fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
@@ -233,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                         **{k: v for k, v in r.items() if k != "token_ids"},
                     }
                 )
+    for line in bounds:
+        print(line)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(

@@ -299,3 +299,16 @@ def test_draft_slots_start_late_only_when_worth_the_catch_up() -> None:
     long_run.request_id = "long"
     assert slots.propose(long_run, 10, num_running=5) == []
     assert slots.propose(long_run, 10, num_running=1) == [DRAFT_PLACEHOLDER] * 3
+
+
+def test_ngram_bound_replays_the_proposer_on_known_outputs() -> None:
+    """benchmarks/spec.py's bound on prompt lookup (verification free), counted by hand: the output copies the
+    prompt's run 1 2 3 4 5 and then leaves it."""
+    from benchmarks.spec import ngram_bound
+
+    prompt, output = [7, 1, 2, 3, 4, 5, 8], [1, 2, 3, 4, 5, 6]
+    # t=0, t=1: no suffix of 2+ tokens seen before; t=2: "1 2" proposes 3 4 5 8, three accepted, and the
+    # target's own token ends the output: 6 tokens in 3 steps
+    assert ngram_bound([prompt], [output], 4) == (6, 3, 1)
+    # k = 2: t=2 proposes 3 4 (both accepted); t=5: "2 3 4 5" proposes 8, rejected
+    assert ngram_bound([prompt], [output], 2) == (6, 4, 2)
