@@ -6,10 +6,11 @@
 The workload of issue 25: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
 output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
 same number of tokens. tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
-HTTP) on its exact default path (``--quantizations gguf,gguf-q8`` adds the 8-bit-activation path); llama.cpp through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each
-request a ``/completion`` call with the token ids as the prompt, all in flight together); with ``--vllm-python``,
-vLLM's CPU backend through ``LLM.generate`` in its own virtualenv on an HF export of the same file
-(``benchmarks/vllm_peer.py``; dtype bf16 where AVX-512 BF16 is, float32 elsewhere). Each is warmed up untimed.
+HTTP) on its exact default path (``--quantizations gguf,gguf-q8`` adds the 8-bit-activation path); llama.cpp
+through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each request a ``/completion`` call with the
+token ids as the prompt, all in flight together); with ``--vllm-python``, vLLM's CPU backend through
+``LLM.generate`` in its own virtualenv on an HF export of the same file (``benchmarks/vllm_peer.py``; dtype bf16
+where AVX-512 BF16 is, float32 elsewhere). Each is warmed up untimed.
 Prints each wall time and the ratios measured in this one run.
 """
 

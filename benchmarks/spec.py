@@ -155,18 +155,15 @@ def ngram_bound(
 ) -> tuple[int, int, int]:
     """(tokens, steps, steps with a proposal) if prompt lookup's proposals were verified for free: the outputs
     replayed through the ngram proposer, each step emitting 1 + the proposal's agreement with the output."""
-    from types import SimpleNamespace
-
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.core.proposers import NgramProposer, _State
+    from tokenmill.core.proposers import NgramProposer
 
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=num_speculative_tokens))
     num_tokens = num_steps = num_proposals = 0
-    for prompt, output in zip(prompts, outputs, strict=True):
-        state, t = _State(), 0
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        t = 0
         while t < len(output):
-            request = SimpleNamespace(all_token_ids=prompt + output[:t], grammar=None)
-            proposal = proposer._propose(state, request, num_speculative_tokens)  # type: ignore[arg-type]
+            proposal = proposer.lookup(str(i), prompt + output[:t], num_speculative_tokens)
             accepted = 0
             while (
                 accepted < len(proposal)

@@ -113,12 +113,19 @@ class NgramProposer(Proposer):
 
     def _propose(self, state: _State, request: Request, limit: int) -> list[int]:
         """A constrained request's proposal is cut at the first token its grammar would refuse."""
-        tokens = request.all_token_ids
-        self._extend_index(state, tokens)
-        proposal = self._lookup(state, tokens, limit)
+        proposal = self._find(state, request.all_token_ids, limit)
         if proposal and request.grammar is not None:
             proposal = proposal[: request.grammar.validate_tokens(proposal)]
         return proposal
+
+    def lookup(self, key: str, tokens: list[int], limit: int) -> list[int]:
+        """The proposal for a context of ``tokens`` alone (no back-off, no grammar), its index kept under ``key``
+        while the context grows: what ``benchmarks/spec.py`` replays plain decoding's outputs through."""
+        return self._find(self._state.setdefault(key, _State()), tokens, limit)
+
+    def _find(self, state: _State, tokens: list[int], limit: int) -> list[int]:
+        self._extend_index(state, tokens)
+        return self._lookup(state, tokens, limit)
 
     # --- the index --------------------------------------------------------------------------------
     def _extend_index(self, state: _State, tokens: list[int]) -> None:

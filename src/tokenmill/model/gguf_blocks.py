@@ -67,8 +67,8 @@ BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd mult
 
 
 def _byte_quads(codes: np.ndarray) -> np.ndarray:
-    """Codes ``[T, G, group, W]`` (int8 values as bytes, -32..31) -> bytes ``[T, G, group / 4, W, 4]``: quad u's byte 4c + j is row c's
-    code at input 4u + j, plus :data:`BYTE_QUAD_BIAS`."""
+    """Codes ``[T, G, group, W]`` (int8 values as bytes, -32..31) -> bytes ``[T, G, group / 4, W, 4]``: quad u's
+    byte 4c + j is row c's code at input 4u + j, plus :data:`BYTE_QUAD_BIAS`."""
     t, g, group, w = codes.shape
     quads = codes.reshape(t, g, group // 4, 4, w).transpose(0, 1, 2, 4, 3)  # [T, G, quad, W, input]
     return (quads.view(np.int8).astype(np.int16) + BYTE_QUAD_BIAS).astype(np.uint8)
@@ -447,7 +447,9 @@ def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
     return out
 
 
-def _pack_factored(groups: Groups, tiles, num_tiles: int, byte_quads: bool = False) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _pack_factored(  # type: ignore[no-untyped-def]
+    groups: Groups, tiles, num_tiles: int, byte_quads: bool = False
+) -> np.ndarray:
     """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp32 units (scale, then min), then per
     group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them (layout 4,
     ``byte_quads``: as layout 3 stores them)."""

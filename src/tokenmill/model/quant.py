@@ -228,7 +228,8 @@ def build_quantized_llama(
     A fused projection takes its parts' formats side by side (q, k, v may differ, as in Q4_K_M files); if one
     part is dense, the whole projection is (its quantized parts dequantized: exact, only larger). A tied head
     shares the embedding's quantized bytes. ``int8_activations``: 4-bit parts in the quad layout and 8-bit parts
-    with codes in -32..31 in byte quads, multiplied by activations rounded to 8 bits (``gguf_blocks``); the table's lookup gives the same fp32 rows either way.
+    with codes in -32..31 in byte quads, multiplied by activations rounded to 8 bits (``gguf_blocks``); the
+    table's lookup gives the same fp32 rows either way.
     """
     matmul, rows = kernels if kernels is not None else (None, None)
     with torch.device("meta"):

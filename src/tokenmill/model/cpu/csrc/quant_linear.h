@@ -411,7 +411,8 @@ struct ByteQuad : Fmt<8, Group, kMin, kFactored> {
 };
 
 // Activations rounded to 8 bits per group of 32 inputs (llama.cpp's Q8_1 arithmetic): for each row, codes [K] in
-// [-127, 127], and per group its scale s = max|x| / 127 (x ~ code * s) and s * (sum of its codes), for the mins.
+// [-127, 127], per group its scale s = max|x| / 127 (x ~ code * s) and s * (sum of its codes), for the mins, and
+// per 16 inputs the integer sum of the codes (for ByteQuad's bias and its groups of 16).
 struct Q8Acts {
   const int8_t* q;
   const float* scale;
@@ -425,7 +426,7 @@ struct Q8Acts {
   }
 };
 
-// x [M, K] -> codes, scales and scaled sums: code = round_to_even(x * (1 / s)), 0 for an all-zero group.
+// x [M, K] -> codes, scales, scaled sums and sums of 16: code = round_to_even(x * (1 / s)), 0 for an all-zero group.
 inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* scaled_sum,
                           int32_t* sum16) {
   using namespace simd;
@@ -437,20 +438,14 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
         Vec amax = zero();
         for (int v = 0; v < Q4Quad::kGroup; v += kLanes) amax = max(amax, vabs(load(p + v)));
         const float a = reduce_max(amax), s = a / 127.f, inv = a > 0.f ? 1.f / s : 0.f;
-        Vec sum = zero();
-        for (int v = 0; v < Q4Quad::kGroup; v += kLanes) {
-          const Vec r = min(max(round_nearest(mul(load(p + v), set1(inv))), set1(-127.f)), set1(127.f));
-          sum = add(sum, r);  // integers below 2^12: exact in any order
-          store_i8(q + m * K + g * Q4Quad::kGroup + v, r);
-        }
+        int8_t* codes = q + m * K + g * Q4Quad::kGroup;
+        for (int v = 0; v < Q4Quad::kGroup; v += kLanes)
+          store_i8(codes + v, min(max(round_nearest(mul(load(p + v), set1(inv))), set1(-127.f)), set1(127.f)));
+        int32_t halves[2] = {0, 0};  // the code sums of inputs 0..15 and 16..31
+        for (int i = 0; i < Q4Quad::kGroup; ++i) halves[i / 16] += codes[i];
+        sum16[m * (K / 16) + 2 * g] = halves[0], sum16[m * (K / 16) + 2 * g + 1] = halves[1];
         scale[m * G + g] = s;
-        scaled_sum[m * G + g] = s * reduce_add(sum);
-        for (int h = 0; h < 2; ++h) {
-          const int8_t* c = q + m * K + g * Q4Quad::kGroup + 16 * h;
-          int32_t t = 0;
-          for (int i = 0; i < 16; ++i) t += c[i];
-          sum16[m * (K / 16) + 2 * g + h] = t;
-        }
+        scaled_sum[m * G + g] = s * float(halves[0] + halves[1]);  // an integer below 2^13: exact
       }
   });
 }
