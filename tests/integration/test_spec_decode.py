@@ -276,3 +276,63 @@ def test_a_draft_with_another_vocabulary_is_refused(engines) -> None:
     with pytest.raises(ValueError, match="vocabulary differs"):
         check_same_vocabulary(target, other)  # type: ignore[arg-type]
     check_same_vocabulary(target, target)
+
+
+@pytest.mark.parametrize(
+    ("num_accepted", "num_plain_steps"),
+    [(0, 0), (1, 0), (3, 0), (0, 2), (1, 3), (3, 4)],  # a verification's outcome, then steps without drafting
+)
+def test_the_draft_resumes_from_the_tokens_the_target_kept(
+    embedded_loaded, num_accepted, num_plain_steps
+) -> None:
+    """The draft's KV after a verification and any plain steps (back-off, a wide batch): its rejected drafts'
+    positions are computed again, so its next drafts and its KV equal a fresh draft's over the same tokens
+    (a prefill of them all). A draft that kept the rejected drafts' KV read 0.64 of its tokens accepted on
+    the 1.5B's open-ended prompts instead of 0.82."""
+    import torch
+
+    from tokenmill.core.proposers import DRAFT_PLACEHOLDER
+    from tokenmill.core.sched_output import ScheduledRow
+    from tokenmill.request import Request, RequestStatus
+    from tokenmill.worker.drafter import Drafter
+
+    k, block_size, num_blocks = 3, 16, 8
+    prompt = embedded_loaded.tokenizer.encode(
+        "The lighthouse was built in 1871 from granite quarried inland."
+    )
+    request = Request("r", prompt, SamplingParams(max_tokens=64))
+    request.transition(RequestStatus.RUNNING)
+    request.append_output_token(prompt[3], 0.0)  # the prefill's sampled token
+    requests = {"r": request}
+    drafter = Drafter(embedded_loaded, num_blocks, block_size, requests)
+
+    def draft(d: Drafter) -> list[int]:
+        row = ScheduledRow(
+            "r",
+            [request.all_token_ids[-1], *[DRAFT_PLACEHOLDER] * k],
+            request.num_tokens - 1,
+            list(range(num_blocks)),
+            True,
+            False,
+            num_spec_tokens=k,
+        )
+        return d.fill([row])[0].spec_token_ids
+
+    drafts = draft(drafter)
+    kept = drafts[:num_accepted]  # the target's verification: the accepted drafts, then its own token
+    corrected = (
+        (drafts[num_accepted] + 1) % embedded_loaded.config.vocab_size if num_accepted < k else prompt[5]
+    )
+    for token in [*kept, corrected, *prompt[7 : 7 + num_plain_steps]]:
+        request.append_output_token(token, 0.0)
+    got = draft(drafter)
+    fresh = Drafter(embedded_loaded, num_blocks, block_size, requests)
+    assert got == draft(fresh)
+    num_real = (
+        request.num_tokens
+    )  # positions holding the request's own tokens (after them: this fill's drafts)
+    for (k_got, v_got), (k_want, v_want) in zip(drafter.kv_caches, fresh.kv_caches, strict=True):
+        for got_cache, want_cache in ((k_got, k_want), (v_got, v_want)):
+            got_rows = got_cache.flatten(0, 1)[:num_real]  # [positions, kv_heads, head_dim]
+            want_rows = want_cache.flatten(0, 1)[:num_real]
+            torch.testing.assert_close(got_rows, want_rows, rtol=1e-4, atol=1e-4)

@@ -12,8 +12,10 @@ rounded to 4 bits, 8-bit activations: the fewest bytes a draft token reads), unl
 
 The draft's KV lives in its own tensors, indexed by the target's block table: the draft writes the same slots
 the target writes for those positions (the row's own blocks, allocated this step), so its blocks are allocated
-and freed with the request's. A request's draft KV is valid for its first ``num_valid`` positions: after a
-verification, ``min(what the draft computed, the target's accepted length)``; after a preemption, none. A
+and freed with the request's. A request's draft KV is valid up to the row's last sampled token and then for as
+long as the draft's own inputs after it (drafts 1 .. k - 1) match the tokens the request went on to have: the
+next fill, however many plain steps later (back-off, a wide batch), reads that from the request's tokens and
+computes the draft again from the first position that differs. After a preemption none of it is valid. A
 prompt whose prefix came from the prefix cache is drafted over whole the first time (the cached blocks' draft
 KV was written by whichever request computed them, if it drafted at all), writing values equal to any already
 there.
@@ -22,7 +24,7 @@ there.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import torch
@@ -34,8 +36,21 @@ from tokenmill.request import Request
 
 @dataclass
 class _Progress:
-    num_valid: int = 0  # positions whose draft KV is right
+    num_valid: int = 0  # positions whose draft KV is right whatever the target kept
+    inputs: list[int] = field(
+        default_factory=list
+    )  # the draft's inputs at positions num_valid.. (its drafts)
     num_preemptions: int = 0  # the request's count when num_valid was set
+
+    def valid_for(self, token_ids: list[int]) -> int:
+        """Positions whose draft KV is right for a request now holding ``token_ids``: ``num_valid`` plus the
+        draft inputs after it that the request's tokens agree with (the drafts the target accepted)."""
+        num_valid = self.num_valid
+        for token in self.inputs:
+            if num_valid >= len(token_ids) or token_ids[num_valid] != token:
+                break
+            num_valid += 1
+        return num_valid
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -87,7 +102,7 @@ class Drafter:
                 progress.num_preemptions != request.num_preemptions
             ):  # its blocks were dropped and computed anew
                 progress.num_valid, progress.num_preemptions = 0, request.num_preemptions
-            start = min(progress.num_valid, row.start_position)
+            start = min(progress.valid_for(request.all_token_ids), row.start_position)
             tokens = request.all_token_ids[start : row.start_position + 1]
             current.append(ScheduledRow(row.request_id, tokens, start, row.block_ids, True, False))
         while current:
@@ -115,6 +130,8 @@ class Drafter:
             out[i] = replace(
                 row, token_ids=[*row.token_ids[: len(row.token_ids) - k], *drafts[row.request_id]]
             )
-            # the draft computed positions up to start + k - 1 (its inputs: the last token, drafts 1 .. k - 1)
-            self._progress[row.request_id].num_valid = row.start_position + k
+            # the draft computed positions up to start + k - 1: the last sampled token (right), then drafts
+            # 1 .. k - 1 (right as far as the target accepts them)
+            progress = self._progress[row.request_id]
+            progress.num_valid, progress.inputs = row.start_position + 1, drafts[row.request_id][: k - 1]
         return out
