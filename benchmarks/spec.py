@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         "--methods",
         default="off,ngram",
         help="off, ngram, draft_model (needs --draft-model); draft_model:Q loads the draft with quantization Q "
-        "(speculative_config.quantization, e.g. draft_model:gguf-q8 beside the default gguf-q4)",
+        "(speculative_config.quantization, e.g. draft_model:gguf-q8 beside the default gguf-q4); a suffix @P sets "
+        "draft_p_min (draft_model@0: every slot drafted, as before draft_p_min)",
     )
     parser.add_argument("--draft-model", default=None, help="the draft model for method draft_model")
     parser.add_argument(
@@ -218,12 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods.split(","):
         spec: dict[str, Any] | None = None
         if method != "off":
-            name, _, draft_quantization = method.partition(":")
+            named, _, p_min = method.partition("@")
+            name, _, draft_quantization = named.partition(":")
             spec = {"method": name, "num_speculative_tokens": args.num_speculative_tokens}
             if name == "draft_model":
                 spec["model"] = args.draft_model
             if draft_quantization:
                 spec["quantization"] = draft_quantization
+            if p_min:
+                spec["draft_p_min"] = float(p_min)
             if args.disable_by_batch_size is not None:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
         engines[method] = Engine(

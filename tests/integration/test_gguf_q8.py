@@ -78,3 +78,55 @@ def test_greedy_tokens_depend_neither_on_the_batch_nor_on_preemption(embedded_q8
     assert tight.stats.num_preemptions > 0
     assert tight.num_free_blocks == tight.num_total_blocks
     assert together == alone == preempted
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-q8"])
+def test_a_verification_computes_its_tokens_as_decode_steps_do(
+    embedded_loaded, embedded_q8, quantization
+) -> None:
+    """A speculative verification row (several tokens, not a prefill) attends token by token as decode rows, so
+    each of its positions gets the hidden state a plain decode step gets there: on gguf-q8 bit for bit (a
+    different path would turn fp32 rounding into a whole step of an 8-bit code and let a near-tie flip between
+    speculation and plain decoding); on the exact path within fp32 rounding (its projections' sums run in an
+    order that depends on the row count). Checked against one decode step per token, for the verification alone
+    and beside another request's decode row."""
+    from tokenmill.core.sched_output import ScheduledRow
+    from tokenmill.model.loader import allocate_kv_cache
+    from tokenmill.worker.model_runner import forward_rows
+
+    loaded = {"gguf": embedded_loaded, "gguf-q8": embedded_q8}[quantization]
+    prompt = loaded.tokenizer.encode(PROMPTS[0])
+    following = loaded.tokenizer.encode(" and then the next words arrive")[:5]
+    blocks, other_blocks = list(range(16)), list(range(16, 32))
+
+    def run(rows, kv):
+        with torch.no_grad():
+            return forward_rows(loaded.model, rows, kv, 4, "cpu")  # [tokens, hidden]
+
+    def prefilled():
+        kv = allocate_kv_cache(loaded.config, 32, 4, loaded.dtype, "cpu")
+        prompts = [
+            ScheduledRow("a", prompt, 0, blocks, True, True),
+            ScheduledRow("b", prompt, 0, other_blocks, True, True),
+        ]
+        run(prompts, kv)
+        return kv
+
+    kv = prefilled()
+    start = len(prompt)
+    stepwise = torch.cat(
+        [run([ScheduledRow("a", [t], start + i, blocks, True, False)], kv) for i, t in enumerate(following)]
+    )
+    verified = run([ScheduledRow("a", following, start, blocks, True, False, num_spec_tokens=4)], prefilled())
+    beside = run(
+        [
+            ScheduledRow("b", [following[0]], start, other_blocks, True, False),
+            ScheduledRow("a", following, start, blocks, True, False, num_spec_tokens=4),
+        ],
+        prefilled(),
+    )[1:]
+    for got in (verified, beside):
+        if quantization == "gguf-q8":
+            assert torch.equal(got, stepwise)
+        else:
+            torch.testing.assert_close(got, stepwise, rtol=1e-5, atol=1e-4)

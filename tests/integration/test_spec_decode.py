@@ -304,7 +304,7 @@ def test_the_draft_resumes_from_the_tokens_the_target_kept(
     request.transition(RequestStatus.RUNNING)
     request.append_output_token(prompt[3], 0.0)  # the prefill's sampled token
     requests = {"r": request}
-    drafter = Drafter(embedded_loaded, num_blocks, block_size, requests)
+    drafter = Drafter(embedded_loaded, num_blocks, block_size, requests, p_min=0.0)  # all k slots drafted
 
     def draft(d: Drafter) -> list[int]:
         row = ScheduledRow(
@@ -326,7 +326,7 @@ def test_the_draft_resumes_from_the_tokens_the_target_kept(
     for token in [*kept, corrected, *prompt[7 : 7 + num_plain_steps]]:
         request.append_output_token(token, 0.0)
     got = draft(drafter)
-    fresh = Drafter(embedded_loaded, num_blocks, block_size, requests)
+    fresh = Drafter(embedded_loaded, num_blocks, block_size, requests, p_min=0.0)
     assert got == draft(fresh)
     num_real = (
         request.num_tokens
@@ -336,3 +336,54 @@ def test_the_draft_resumes_from_the_tokens_the_target_kept(
             got_rows = got_cache.flatten(0, 1)[:num_real]  # [positions, kv_heads, head_dim]
             want_rows = want_cache.flatten(0, 1)[:num_real]
             torch.testing.assert_close(got_rows, want_rows, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("p_min", [0.0, 0.5, 0.9])
+def test_the_draft_stops_at_a_token_it_is_unsure_of(embedded_loaded, p_min) -> None:
+    """``draft_p_min``: each proposal is the draft's greedy tokens while it gives them ``p_min`` or more, cut
+    before the first it does not (``num_spec_tokens`` shortened, 0: nothing to verify); checked against the
+    draft model's softmax over a prefill of the request's tokens and the proposal, computed apart."""
+    import torch
+
+    from tokenmill.core.proposers import DRAFT_PLACEHOLDER
+    from tokenmill.core.sched_output import ScheduledRow
+    from tokenmill.model.loader import allocate_kv_cache
+    from tokenmill.request import Request, RequestStatus
+    from tokenmill.worker.drafter import Drafter
+    from tokenmill.worker.model_runner import forward_rows
+
+    k, block_size, num_blocks = 4, 16, 8
+    prompt = embedded_loaded.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+    request = Request("r", prompt, SamplingParams(max_tokens=64))
+    request.transition(RequestStatus.RUNNING)
+    request.append_output_token(prompt[1], 0.0)
+    drafter = Drafter(embedded_loaded, num_blocks, block_size, {"r": request}, p_min)
+    reference_kv = allocate_kv_cache(
+        embedded_loaded.config, num_blocks, block_size, embedded_loaded.dtype, "cpu"
+    )
+    lengths = []
+    for step in range(8):
+        slots = [request.all_token_ids[-1], *[DRAFT_PLACEHOLDER] * k]
+        row = ScheduledRow("r", slots, request.num_tokens - 1, list(range(num_blocks)), True, False, k)
+        (filled,) = drafter.fill([row])
+        proposal = filled.spec_token_ids
+        assert filled.num_spec_tokens == len(proposal) <= k and filled.token_ids[0] == slots[0]
+        context = request.all_token_ids
+        with torch.no_grad():
+            prefill = ScheduledRow("ref", [*context, *proposal], 0, list(range(num_blocks)), True, True)
+            hidden = forward_rows(embedded_loaded.model, [prefill], reference_kv, block_size, "cpu")
+            logits = embedded_loaded.model.compute_logits(
+                hidden[len(context) - 1 :]
+            )  # [len(proposal) + 1, V]
+        confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        for i, token in enumerate(proposal):
+            assert token == best[i].item() and confidence[i].item() >= p_min - 1e-4, (step, i)
+        if len(proposal) < k:
+            assert confidence[len(proposal)].item() < p_min + 1e-4, step
+        lengths.append(len(proposal))
+        for token in [*proposal[:2], (step * 7 + 3) % 100 + 200]:  # the target keeps two, then its own token
+            request.append_output_token(token, 0.0)
+    if p_min == 0.0:
+        assert lengths == [k] * 8
+    if p_min == 0.9:
+        assert min(lengths) < k  # the 135M is unsure somewhere in this text: the cut is exercised

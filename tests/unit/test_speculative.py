@@ -35,6 +35,8 @@ def test_config_parses_vllm_dicts() -> None:
     assert SpeculativeConfig.parse({"disable_by_batch_size": 0}).disable_by_batch_size == 0
     draft = {"method": "draft_model", "model": "m", "quantization": "gguf-q8"}
     assert SpeculativeConfig.parse(draft).quantization == "gguf-q8"  # vLLM's key for the draft's quantization
+    assert SpeculativeConfig.parse({**draft, "draft_p_min": 0}).draft_p_min == 0  # 0: always all k slots
+    assert SpeculativeConfig.parse({**draft, "draft_p_min": 0.75}).draft_p_min == 0.75
     assert EngineConfig().speculative_config is None
 
 
@@ -50,6 +52,14 @@ def test_config_parses_vllm_dicts() -> None:
         ({"model": "x"}, "only for method 'draft_model'"),
         ({"quantization": "gguf-q4"}, "quantization is only for method 'draft_model'"),
         ({"method": "draft_model", "model": "x", "quantization": "int4"}, "quantization must be one of"),
+        ({"draft_p_min": 0.5}, "draft_p_min is only for method 'draft_model'"),
+        (
+            {"method": "draft_model", "model": "x", "draft_p_min": 1.0},
+            r"draft_p_min must be a number in \[0, 1\)",
+        ),
+        ({"method": "draft_model", "model": "x", "draft_p_min": -0.1}, "draft_p_min must be"),
+        ({"method": "draft_model", "model": "x", "draft_p_min": "high"}, "draft_p_min must be"),
+        ({"method": "draft_model", "model": "x", "draft_p_min": True}, "draft_p_min must be"),
         ("ngram", "must be a dict"),
     ],
 )
@@ -299,6 +309,77 @@ def test_draft_slots_start_late_only_when_worth_the_catch_up() -> None:
     long_run.request_id = "long"
     assert slots.propose(long_run, 10, num_running=5) == []
     assert slots.propose(long_run, 10, num_running=1) == [DRAFT_PLACEHOLDER] * 3
+
+
+def test_empty_drafts_back_off_two_to_a_miss() -> None:
+    """A draft model that leaves its slots empty (unsure of its first token) spent a forward for nothing: two such
+    proposals in a row back off as one rejected proposal does; a good proposal between them resets the count."""
+    config = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=3)
+    slots = DraftSlots(config)
+    r = _request([1, 2, 3], [4], max_tokens=100)
+    draft = [DRAFT_PLACEHOLDER] * 3
+    assert slots.propose(r, 10) == draft
+    slots.observe("r", 0, 0)  # one empty draft: no back-off yet
+    assert slots.propose(r, 10) == draft
+    slots.observe("r", 3, 2)  # a good proposal in between starts the count again
+    assert slots.propose(r, 10) == draft
+    slots.observe("r", 0, 0)
+    assert slots.propose(r, 10) == draft
+    slots.observe("r", 0, 0)  # two in a row: a miss, 2 steps off
+    assert [slots.propose(r, 10) for _ in range(3)] == [[], [], draft]
+    slots.observe("r", 3, 0)  # then a rejected proposal: the second miss in a row, 4 steps off
+    assert [slots.propose(r, 10) for _ in range(5)] == [[], [], [], [], draft]
+
+
+@pytest.mark.parametrize("num_drafted", [0, 1, 2])
+def test_a_draft_that_stopped_short_counts_only_its_tokens(num_drafted: int) -> None:
+    """The runner says how many of a row's 3 slots the draft filled (``num_drafted``): the counts, the decode
+    tokens and the back-off see those; the tokens verified after them are appended; the blocks the unused slots
+    took go back (a row left empty is a plain decode row, its token in ``sampled``)."""
+    from tokenmill.core.sched_output import ModelRunnerOutput, SampledToken
+
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=16))
+    config = SpeculativeConfig(
+        method="draft_model", model="d", num_speculative_tokens=3, disable_by_batch_size=0
+    )
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        kv,
+        4,
+        DraftSlots(config),
+    )
+    r = Request("r", [5, 6, 7], SamplingParams(max_tokens=20))
+    sched.add_request(r)
+    out = sched.schedule()  # the prefill
+    sched.update_from_output(out, ModelRunnerOutput(sampled={"r": SampledToken(8)}), 0.0)
+    out = sched.schedule()
+    (row,) = out.rows
+    assert row.num_spec_tokens == 3 and row.start_position == 3 and len(r.block_ids) == 2  # slots 3..6
+    assert out.record.num_decode_tokens == 4
+    drafted = [9, 10][:num_drafted]
+    if num_drafted:
+        result = ModelRunnerOutput(
+            sampled={},
+            verified={"r": [SampledToken(t) for t in [*drafted, 11]]},
+            num_drafted={"r": num_drafted},
+        )
+    else:
+        result = ModelRunnerOutput(sampled={"r": SampledToken(11)}, num_drafted={"r": 0})
+    sched.update_from_output(out, result, 0.0)
+    assert r.output_token_ids == [8, *drafted, 11]
+    assert r.num_computed_tokens == 4 + num_drafted
+    assert out.record.num_decode_tokens == 1 + num_drafted
+    assert (out.record.num_spec_drafts, out.record.num_spec_draft_tokens) == (
+        int(num_drafted > 0),
+        num_drafted,
+    )
+    assert out.record.num_spec_accepted_tokens == num_drafted
+    assert (r.num_spec_drafts, r.num_spec_draft_tokens) == (int(num_drafted > 0), num_drafted)
+    assert len(r.block_ids) == 2  # the next row's slot (position 4 + num_drafted) is in block 1
+    kv.check_integrity()
+    with pytest.raises(RuntimeError, match="drafted 4 tokens"):  # more than the row's slots: a broken runner
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(sampled={}, num_drafted={"r": 4}), 0.0)
 
 
 def test_ngram_bound_replays_the_proposer_on_known_outputs() -> None:

@@ -23,7 +23,9 @@ request decodes plainly.
 
 **DraftSlots** (``method="draft_model"``): the scheduler cannot know a draft model's tokens, so it gives the row
 ``num_speculative_tokens`` slots holding :data:`DRAFT_PLACEHOLDER`; the runner's drafter (``worker/drafter.py``)
-runs the draft model and writes its tokens into them before the target's forward. Same back-off.
+runs the draft model and writes its tokens into them before the target's forward, stopping at a token it gives
+less than ``draft_p_min``. Same back-off, where two proposals in a row left empty (the draft unsure of its first
+token: its forward spent, nothing to verify) count as one rejected proposal.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.request import Request
 
 MAX_COOLDOWN_STEPS = 64
+EMPTY_DRAFTS_PER_MISS = 2  # a draft model's empty proposals in a row that count as one rejected proposal
 DRAFT_PLACEHOLDER = -1  # a slot the drafter fills (never a token id the target sees)
 
 
 @dataclass
 class _State:
-    num_misses: int = 0  # proposals in a row with no token accepted
+    num_misses: int = 0  # proposals in a row with less than half of their tokens accepted
+    num_empty_drafts: int = 0  # a draft model's empty proposals since the last miss or good proposal
     cooldown_steps: int = 0  # decode steps left without a proposal
     grams: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> its latest occurrence's start
     num_indexed_ends: int = 0  # n-grams ending at positions 0 .. num_indexed_ends - 1 are in ``grams``
@@ -74,13 +78,19 @@ class Proposer:
         raise NotImplementedError
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        """The verification's outcome for a proposal of ``num_proposed`` tokens."""
+        """The verification's outcome for a proposal of ``num_proposed`` tokens (0: a draft model's slots that
+        it left empty, unsure of its first token)."""
         state = self._state.get(request_id)
-        if state is None or num_proposed == 0:
+        if state is None:
             return
-        if 2 * num_accepted >= num_proposed:  # at least half accepted: the verification paid for itself
-            state.num_misses = 0
+        if num_proposed == 0:
+            state.num_empty_drafts += 1
+            if state.num_empty_drafts < EMPTY_DRAFTS_PER_MISS:
+                return
+        elif 2 * num_accepted >= num_proposed:  # at least half accepted: the verification paid for itself
+            state.num_misses = state.num_empty_drafts = 0
             return
+        state.num_empty_drafts = 0
         state.num_misses += 1
         state.cooldown_steps = min(2**state.num_misses, MAX_COOLDOWN_STEPS)
 

@@ -11,7 +11,9 @@ Each engine step:
    id) and returns a :class:`ModelRunnerOutput`.
    A row with ``num_spec_tokens`` k > 0 (speculative decoding) carries the last sampled token and k proposed
    ones; the runner samples at all k + 1 positions, keeps the proposed tokens while the target agrees (or, when
-   sampling, while rejection sampling accepts them) and returns them and the target's next token.
+   sampling, while rejection sampling accepts them) and returns them and the target's next token. A draft
+   model's slots (method ``draft_model``) may hold fewer tokens than the scheduler gave (the draft stopped at
+   a token it was unsure of): the runner says how many in ``num_drafted``, 0 meaning a plain decode row.
 3. ``Scheduler.update_from_output(scheduler_output, runner_output, now_s)`` appends the sampled tokens,
    advances ``num_computed_tokens`` (past the accepted tokens only: a rejected
    token's slot is given back), finishes requests (freeing their blocks at once: the forward that
@@ -122,6 +124,9 @@ class ModelRunnerOutput:
     # request_id -> for rows with a proposal (num_spec_tokens > 0): the accepted proposed tokens, then the one
     # the target chose after them (1 .. num_spec_tokens + 1 tokens)
     verified: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # request_id -> the tokens a draft row's drafter proposed, where fewer than its num_spec_tokens slots (its
+    # verified tokens then number 1 .. that + 1; 0: the row was decoded plainly, its token in ``sampled``)
+    num_drafted: dict[str, int] = field(default_factory=dict)
     # request_id -> per prompt token [(token_id, logprob, top-k list)], only for requests that asked
     prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)
     # request_id -> the pooled embedding of a prompt an encoder computed whole (embedding models only)

@@ -20,7 +20,9 @@ blocks. Every row that could have run and did not is explained in ``StepRecord.i
 
 Speculative decoding (a ``proposer``, ``core/proposers.py``): a decode row also carries the proposed tokens, given
 slots only when they fit without preempting anyone; its update appends the tokens the runner verified up to the
-first stop, counts the KV of the kept ones only as computed and gives back the blocks wholly past them.
+first stop, counts the KV of the kept ones only as computed and gives back the blocks wholly past them. A draft
+model may fill fewer slots than it was given (``ModelRunnerOutput.num_drafted``): the counts are of the tokens
+it proposed, and a row it left empty is a plain decode row.
 """
 
 from __future__ import annotations
@@ -347,11 +349,22 @@ class Scheduler:
         """A row with a proposal: append the accepted tokens and the target's next one, stopping at the first
         stop; the computed count covers only the kept tokens' KV, the rejected tokens' blocks go back. True
         when the request finished."""
-        tokens = runner_output.verified.get(request.request_id)
-        if not tokens or len(tokens) > row.num_spec_tokens + 1:
-            raise RuntimeError(f"runner returned no verified tokens for request {request.request_id!r}")
-        num_accepted = len(tokens) - 1
-        self._count_speculation(request, row.num_spec_tokens, num_accepted, record)
+        num_proposed = runner_output.num_drafted.get(request.request_id, row.num_spec_tokens)
+        if not 0 <= num_proposed <= row.num_spec_tokens:
+            raise RuntimeError(f"runner drafted {num_proposed} tokens for request {request.request_id!r}")
+        record.num_decode_tokens -= row.num_spec_tokens - num_proposed  # slots the drafter left unused
+        if num_proposed == 0:  # the drafter proposed nothing: a plain decode row
+            sampled = runner_output.sampled.get(request.request_id)
+            if sampled is None:
+                raise RuntimeError(f"runner returned no token for request {request.request_id!r}")
+            tokens = [sampled]
+            if self.proposer is not None:
+                self.proposer.observe(request.request_id, 0, 0)
+        else:
+            tokens = runner_output.verified.get(request.request_id, [])
+            if not tokens or len(tokens) > num_proposed + 1:
+                raise RuntimeError(f"runner returned no verified tokens for request {request.request_id!r}")
+            self._count_speculation(request, num_proposed, len(tokens) - 1, record)
         stop = None
         num_kept = 0
         for sampled in tokens:

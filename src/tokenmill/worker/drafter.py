@@ -3,11 +3,14 @@
 The scheduler gives a drafting decode row ``k`` placeholder slots (``core/proposers.py``: ``DraftSlots``) and
 blocks for all 1 + k of its tokens. Before the target's forward, :meth:`Drafter.fill` writes the draft model's
 greedy tokens into them: one draft forward over every drafting row's tokens the draft has not seen yet (the
-whole prompt the first time; afterwards the last one or two), then ``k - 1`` forwards of one token per row.
-Greedy drafts are a deterministic function of the context, a point mass, so the sampler's verification keeps
-the target's distribution exact for sampled requests too. For the same reason the draft needs no exact
-arithmetic: the engine loads a quantized GGUF draft on CPU with ``quantization="gguf-q4"`` (its projections
-rounded to 4 bits, 8-bit activations: the fewest bytes a draft token reads), unless
+whole prompt the first time; afterwards the last one or two), then up to ``k - 1`` forwards of one token per
+row. A row's drafting ends early at a token the draft itself gives less than ``p_min`` (``draft_p_min``,
+llama.cpp's ``--draft-p-min``): its proposal is then shorter than its slots (``num_spec_tokens`` cut to it;
+none: the row decodes plainly) and the runner tells the scheduler so (``ModelRunnerOutput.num_drafted``).
+Greedy drafts and where they end are a deterministic function of the context, a point mass, so the sampler's
+verification keeps the target's distribution exact for sampled requests too. For the same reason the draft needs
+no exact arithmetic: the engine loads a quantized GGUF draft on CPU with ``quantization="gguf-q4"`` (its
+projections rounded to 4 bits, 8-bit activations: the fewest bytes a draft token reads), unless
 ``speculative_config.quantization`` names another.
 
 The draft's KV lives in its own tensors, indexed by the target's block table: the draft writes the same slots
@@ -29,6 +32,7 @@ from itertools import accumulate
 
 import torch
 
+from tokenmill.config import DEFAULT_DRAFT_P_MIN
 from tokenmill.core.sched_output import ScheduledRow
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache
 from tokenmill.request import Request
@@ -73,16 +77,23 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 class Drafter:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, requests: Mapping[str, Request]
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        requests: Mapping[str, Request],
+        p_min: float = DEFAULT_DRAFT_P_MIN,
     ) -> None:
         self.loaded = loaded
+        self.p_min = p_min
         self.block_size = block_size
         self.requests = requests
         self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
         self._progress: dict[str, _Progress] = {}
 
     def fill(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
-        """The rows with their placeholder slots holding the draft's tokens (other rows as they are)."""
+        """The rows with their placeholder slots holding the draft's tokens, fewer where the draft's confidence
+        fell below ``p_min`` (``num_spec_tokens`` cut to them); other rows as they are."""
         from tokenmill.worker.model_runner import forward_rows
 
         drafting = [i for i, row in enumerate(rows) if row.num_spec_tokens]
@@ -104,7 +115,8 @@ class Drafter:
                 progress.num_valid, progress.num_preemptions = 0, request.num_preemptions
             start = min(progress.valid_for(request.all_token_ids), row.start_position)
             tokens = request.all_token_ids[start : row.start_position + 1]
-            current.append(ScheduledRow(row.request_id, tokens, start, row.block_ids, True, False))
+            is_prefill = start < request.num_prompt_tokens  # the prompt's tokens: a prefill's attention
+            current.append(ScheduledRow(row.request_id, tokens, start, row.block_ids, True, is_prefill))
         while current:
             hidden = forward_rows(
                 self.loaded.model, current, self.kv_caches, self.block_size, self.loaded.device
@@ -113,9 +125,12 @@ class Drafter:
                 torch.tensor(list(accumulate(r.num_new_tokens for r in current)), device=self.loaded.device)
                 - 1
             )
-            tokens = self.loaded.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()  # greedy drafts
+            logits = self.loaded.model.compute_logits(hidden[last])  # [rows, V]
+            confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # the greedy drafts
             following = []
-            for row, token in zip(current, tokens, strict=True):
+            for row, token, p in zip(current, best.tolist(), confidence.tolist(), strict=True):
+                if p < self.p_min:
+                    continue  # the row's proposal ends before this token
                 drafted = drafts[row.request_id]
                 drafted.append(int(token))
                 if len(drafted) < rows[index[row.request_id]].num_spec_tokens:  # the next forward's input
@@ -126,12 +141,14 @@ class Drafter:
         out = list(rows)
         for i in drafting:
             row = rows[i]
-            k = row.num_spec_tokens
+            k, drafted = row.num_spec_tokens, drafts[row.request_id]
             out[i] = replace(
-                row, token_ids=[*row.token_ids[: len(row.token_ids) - k], *drafts[row.request_id]]
+                row,
+                token_ids=[*row.token_ids[: len(row.token_ids) - k], *drafted],
+                num_spec_tokens=len(drafted),
             )
-            # the draft computed positions up to start + k - 1: the last sampled token (right), then drafts
-            # 1 .. k - 1 (right as far as the target accepts them)
+            # the draft's inputs were the last sampled token (right) and each draft it drafted after (all of
+            # them when it stopped short, the first k - 1 otherwise): right as far as the target accepts them
             progress = self._progress[row.request_id]
-            progress.num_valid, progress.inputs = row.start_position + 1, drafts[row.request_id][: k - 1]
+            progress.num_valid, progress.inputs = row.start_position + 1, drafted[: k - 1]
         return out

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.config import DEFAULT_DRAFT_P_MIN
 from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRow, SchedulerOutput
 from tokenmill.model.llama import KVCache, LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache
@@ -32,15 +33,23 @@ def forward_rows(
     every tensor-parallel worker run this same function on the same rows."""
     input_ids: list[int] = []
     positions: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    block_tables: list[list[int]] = []
     for row in rows:
         input_ids.extend(row.token_ids)
         positions.extend(range(row.start_position, row.seq_len))
-    meta = model.plan_attention(
-        [row.num_new_tokens for row in rows],
-        [row.seq_len for row in rows],
-        [row.block_ids for row in rows],
-        block_size,
-    )
+        if row.is_prefill or row.num_new_tokens == 1:
+            query_lens.append(row.num_new_tokens)
+            seq_lens.append(row.seq_len)
+            block_tables.append(row.block_ids)
+        else:  # a verification (or a draft's catch-up): each token attends as a decode row over its causal
+            # prefix, computed as a plain decode step computes it; a step of such rows is decode-only, so the
+            # CPU backend's decode stack takes it whole
+            query_lens.extend([1] * row.num_new_tokens)
+            seq_lens.extend(range(row.start_position + 1, row.seq_len + 1))
+            block_tables.extend([row.block_ids] * row.num_new_tokens)
+    meta = model.plan_attention(query_lens, seq_lens, block_tables, block_size)
     input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)  # [T]
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
     return model(input_ids_t, positions_t, meta, kv_caches)  # type: ignore[no-any-return]
@@ -56,11 +65,13 @@ class ModelRunner:
         seed: int = 0,
         tp_group: Any = None,
         draft: LoadedModel | None = None,
+        draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     ) -> None:
         """``requests``: the engine's table of live requests, read (never written) for their sampling state.
         ``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
         tensor-parallel model: the KV cache holds this rank's heads, each step's rows go to the workers).
-        ``draft``: speculative decoding's draft model (its KV in its own tensors, same block ids)."""
+        ``draft``: speculative decoding's draft model (its KV in its own tensors, same block ids), ending a
+        row's proposal at a token it gives less than ``draft_p_min``."""
         self.loaded = loaded
         self.requests = requests
         self.tp_group = tp_group
@@ -76,21 +87,25 @@ class ModelRunner:
         if draft is not None:
             from tokenmill.worker.drafter import Drafter
 
-            self.drafter = Drafter(draft, num_blocks, block_size, requests)
+            self.drafter = Drafter(draft, num_blocks, block_size, requests, draft_p_min)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = scheduler_output.rows
         if not rows:
             return ModelRunnerOutput(sampled={})
+        output = ModelRunnerOutput(sampled={})
         if self.drafter is not None:
-            rows = self.drafter.fill(rows)
+            filled = self.drafter.fill(rows)
+            for scheduled, row in zip(rows, filled, strict=True):
+                if row.num_spec_tokens < scheduled.num_spec_tokens:  # the draft stopped short of its slots
+                    output.num_drafted[row.request_id] = row.num_spec_tokens
+            rows = filled
         if self.tp_group is not None:  # the workers run the same forward on their shards
             self.tp_group.broadcast(rows)
         hidden = forward_rows(self.model, rows, self.kv_caches, self.block_size, self.device)  # [T, H]
         query_start_loc = [0, *accumulate(row.num_new_tokens for row in rows)]
         requests = [self.requests[row.request_id] for row in rows]
-        output = ModelRunnerOutput(sampled={})
         self._sample(rows, requests, hidden, query_start_loc, output)
         self._prompt_logprobs(rows, requests, hidden, query_start_loc, output)
         return output
