@@ -15,9 +15,10 @@ proposal costs O(prompt_lookup_max) per step, not a scan of the context.
 
 **Back-off**: a proposal of which less than half is accepted puts the request in a cool-down: after ``m`` such
 proposals in a row it makes no proposal for ``2**m`` decode steps (at most 64), and a proposal at least half
-accepted resets it. Half is where verifying breaks even on a CPU: on 2 Zen 4 cores a 1.5B forward of 5 tokens
-costs 2.3 plain decode steps (3 tokens 2.0, 2 tokens 1.3), so 4 proposed tokens must yield 2 accepted ones plus
-the target's own to gain.
+accepted resets it. Half is where verifying breaks even on a CPU's exact fp32 path: on 2 Zen 4 cores a 1.5B
+forward of 5 tokens costs 2.0 plain decode steps (as decode rows in the decode stack; 3 tokens 1.5), so 4 proposed
+tokens must yield 2 accepted ones plus the target's own to gain (with 8-bit activations, gguf-q8, 5 tokens cost
+1.1 steps).
 On text where nothing repeats (random tokens) proposals are rare to begin with; where they keep failing, the
 request decodes plainly.
 
