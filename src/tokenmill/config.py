@@ -71,6 +71,11 @@ class SpeculativeConfig:
     # --draft-p-min); a row whose first draft falls below it decodes plainly. None: DEFAULT_DRAFT_P_MIN.
     draft_p_min: float | None = None
 
+    @property
+    def resolved_draft_p_min(self) -> float:
+        """``draft_p_min``, or DEFAULT_DRAFT_P_MIN when not given."""
+        return DEFAULT_DRAFT_P_MIN if self.draft_p_min is None else float(self.draft_p_min)
+
     def __post_init__(self) -> None:
         if self.draft_p_min is not None:
             if self.method != "draft_model":

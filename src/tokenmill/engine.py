@@ -25,7 +25,6 @@ from typing import Any
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import (
     DEFAULT_BATCHED_TOKENS,
-    DEFAULT_DRAFT_P_MIN,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -133,6 +132,7 @@ class Engine:
 
             self.runner = PoolingRunner(loaded)
         else:
+            spec = config.speculative_config
             self.runner = ModelRunner(
                 loaded,
                 self.num_total_blocks,
@@ -141,7 +141,7 @@ class Engine:
                 seed=config.seed,
                 tp_group=self.tp_group,
                 draft=self.draft,
-                draft_p_min=self._draft_p_min(),
+                draft_p_min=spec.resolved_draft_p_min if isinstance(spec, SpeculativeConfig) else 0.0,
             )
         self.stats = EngineStats()
         self.roofline = self._build_roofline()
@@ -231,11 +231,6 @@ class Engine:
         kv_bytes = torch.empty((), dtype=self.loaded.dtype).element_size()
         logger.info("roofline: %s", limits.describe())
         return StepRoofline(shape, limits, weight_bytes, kv_bytes)
-
-    def _draft_p_min(self) -> float:
-        spec = self.config.speculative_config
-        p_min = spec.draft_p_min if isinstance(spec, SpeculativeConfig) else None
-        return DEFAULT_DRAFT_P_MIN if p_min is None else float(p_min)
 
     def _load_draft(self) -> Any:
         """Speculative decoding's draft model (method "draft_model"), refused unless its vocabulary is the target's."""

@@ -225,6 +225,7 @@ def test_draft_model_outputs_are_identical(engines, drafting, prompts) -> None:
     # a model drafting for itself is right nearly always (rows of 1 and of 4 tokens round a little differently)
     assert stats.spec_acceptance_rate > 0.9
     assert drafting.num_free_blocks == drafting.num_total_blocks
+    assert drafting.runner.drafter.p_min == 0.5  # draft_p_min's default
     # the draft's weights: every block 4-bit with 8-bit activations (its Q4_1 file is already 4-bit)
     if drafting.loaded.quantization == "gguf":
         assert drafting.draft.quantization == "gguf-q4"
@@ -249,8 +250,10 @@ def test_draft_model_under_preemption_and_with_stops(make_engine, engines, embed
         "model": embedded_loaded.source,
         "num_speculative_tokens": 4,
         "disable_by_batch_size": 0,
+        "draft_p_min": 0,  # every slot drafted: the most rejected tokens' slots to give back
     }
     tight = make_engine(speculative_config=spec, num_kv_blocks=30)
+    assert tight.runner.drafter.p_min == 0.0
     batch = [prompts[0], prompts[1], prompts[3], prompts[0], prompts[2]]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     assert _ids(tight.generate(batch, params)) == _ids(plain.generate(batch, params))

@@ -32,7 +32,6 @@ from itertools import accumulate
 
 import torch
 
-from tokenmill.config import DEFAULT_DRAFT_P_MIN
 from tokenmill.core.sched_output import ScheduledRow
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache
 from tokenmill.request import Request
@@ -41,9 +40,7 @@ from tokenmill.request import Request
 @dataclass
 class _Progress:
     num_valid: int = 0  # positions whose draft KV is right whatever the target kept
-    inputs: list[int] = field(
-        default_factory=list
-    )  # the draft's inputs at positions num_valid.. (its drafts)
+    inputs: list[int] = field(default_factory=list)  # its inputs at positions num_valid.. (its drafts)
     num_preemptions: int = 0  # the request's count when num_valid was set
 
     def valid_for(self, token_ids: list[int]) -> int:
@@ -82,7 +79,7 @@ class Drafter:
         num_blocks: int,
         block_size: int,
         requests: Mapping[str, Request],
-        p_min: float = DEFAULT_DRAFT_P_MIN,
+        p_min: float,
     ) -> None:
         self.loaded = loaded
         self.p_min = p_min
