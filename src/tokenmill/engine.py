@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -149,6 +150,7 @@ class Engine:
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
         self._ids = itertools.count()
         self._structured_outputs: Any = None
+        self._structured_lock = threading.Lock()
 
     def _size_kv_pool(self) -> None:
         """The KV pool: ``num_kv_blocks``, else as many blocks as the memory budget holds (per rank under tensor
@@ -314,11 +316,13 @@ class Engine:
         request_id: str | None = None,
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
+        grammar: Any = None,
     ) -> str:
         """Queue a request; BadRequestError (a ValueError) naming the field for bad input (empty or
         out-of-vocabulary prompt, too long, duplicate id, a constraint that does not compile).
 
-        ``params`` None: :meth:`default_sampling_params` (the model's generation defaults)."""
+        ``params`` None: :meth:`default_sampling_params` (the model's generation defaults). ``grammar``: the
+        request's constraint compiled already (:meth:`structured_outputs`), else it is compiled here."""
         params = params or self.default_sampling_params()
         if self.is_pooling and params.max_tokens != 0:
             raise BadRequestError(
@@ -354,7 +358,9 @@ class Engine:
             # a bad constraint raises ValueError here, before the request is queued
             grammar=None
             if params.structured_outputs is None
-            else self._structured().compile(params.structured_outputs),
+            else grammar
+            if grammar is not None
+            else self.structured_outputs().compile(params.structured_outputs),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -367,14 +373,24 @@ class Engine:
         self._requests[request_id] = request
         return request_id
 
-    def _structured(self) -> Any:
-        """The engine's llguidance state, built at the first constrained request (~1 s: the tokenizer)."""
-        if self._structured_outputs is None:
-            from tokenmill.structured_outputs import StructuredOutputs
+    @property
+    def built_structured_outputs(self) -> Any:
+        """:meth:`structured_outputs` if a constrained request built it, else None (never builds it)."""
+        return self._structured_outputs
 
-            self._structured_outputs = StructuredOutputs(
-                self.tokenizer.to_json(), self.loaded.config.vocab_size, sorted(self.tokenizer.eos_token_ids)
-            )
+    def structured_outputs(self) -> Any:
+        """The engine's :class:`~tokenmill.structured_outputs.StructuredOutputs`, built at the first
+        constrained request (~1 s: the tokenizer). Thread-safe: the server compiles constraints off the
+        engine thread with it and hands the matchers to :meth:`add_request` as ``grammar``."""
+        with self._structured_lock:
+            if self._structured_outputs is None:
+                from tokenmill.structured_outputs import StructuredOutputs
+
+                self._structured_outputs = StructuredOutputs(
+                    self.tokenizer.to_json(),
+                    self.loaded.config.vocab_size,
+                    sorted(self.tokenizer.eos_token_ids),
+                )
         return self._structured_outputs
 
     def validate_token_ids(self, prompt: Sequence[int]) -> list[int]:

@@ -20,14 +20,27 @@ forced tool call uses (``server/tool_calls.py``), and regexes directly.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import time
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import torch
 
-from tokenmill.errors import BadRequestError
+from tokenmill.constraint_limits import (
+    DEFAULT_LIMITS,
+    ConstraintLimits,
+    check_choices,
+    check_grammar,
+    check_regex,
+    check_schema,
+    parse_schema,
+)
+from tokenmill.errors import BadRequestError, QueueFullError
 from tokenmill.json_schema import as_constraint
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -35,12 +48,25 @@ _BYTE_BITS = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)  # [8]
 
 
 COMPILE_TIMEOUT_S = 5.0  # a constraint whose grammar and first mask take longer is refused
+COMPILE_STACK_BYTES = 256 << 20  # the compile threads' stack (virtual; pages are touched only as used)
+MAX_CONCURRENT_COMPILES = 4  # compiles running at once, abandoned ones included
+DEFAULT_CACHE_BYTES = 32 << 20  # translated grammars kept (LRU), keys and texts counted
+MAX_ERROR_CHARS = 400  # llguidance's messages can carry its state and a Rust backtrace: the first line, cut
 
 
 class StructuredOutputs:
-    """llguidance bounds its own work by "fuel" (lexer states, grammar size; its defaults, about tens of ms a
-    step), so a pathological schema or regex ends in an error rather than a hang; on top of that a
-    constraint whose grammar plus first mask take more than ``compile_timeout_s`` of wall time is refused."""
+    """Constraints compiled off the caller's thread, within limits and a time budget.
+
+    Every constraint is measured first (:mod:`tokenmill.constraint_limits`): a structure past a limit is a
+    400 before llguidance sees it. What passes is compiled (grammar, matcher, first mask) on a thread of its
+    own with a ``COMPILE_STACK_BYTES`` stack, so llguidance's native recursion has more than ten times the
+    room the limits let it use. A compile that takes more than ``compile_timeout_s`` is abandoned (its thread
+    finishes in the background: llguidance bounds its own work by "fuel") and the request refused; at most
+    ``MAX_CONCURRENT_COMPILES`` run at once, abandoned ones included, and a request that finds them all busy
+    waits within its own budget, then gets a 429.
+
+    Translated grammars are cached by constraint (a schema every request repeats is translated once),
+    least recently used first out once the keys and texts pass ``cache_bytes``."""
 
     def __init__(
         self,
@@ -48,66 +74,174 @@ class StructuredOutputs:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        limits: ConstraintLimits = DEFAULT_LIMITS,
     ) -> None:
         import llguidance
 
         self._ll = llguidance
         self.compile_timeout_s = compile_timeout_s
         self.vocab_size = vocab_size
+        self.limits = limits
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
-        self._grammars: dict[str, str] = {}  # constraint key -> llguidance grammar text
+        self.cache = GrammarCache(cache_bytes)
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_COMPILES)
+        self.num_compile_timeouts = 0  # a counter, for /metrics
 
     def grammar_text(self, params: StructuredOutputsParams) -> str:
-        key = params.key
-        text = self._grammars.get(key)
+        key = hashlib.sha256(params.key.encode("utf-8", "surrogatepass")).hexdigest()
+        text = self.cache.get(key)
         if text is None:
             text = self._translate(params)
             error = self._ll.LLMatcher.validate_grammar(text, self.tokenizer)
             if error:
-                raise BadRequestError(f"structured_outputs: {error}", param="structured_outputs")
-            self._grammars[key] = text
+                raise _bad(error)
+            self.cache.put(key, text)
         return text
 
     def _translate(self, params: StructuredOutputsParams) -> str:
         matcher = self._ll.LLMatcher
         try:
             if params.json is not None:
-                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+                schema = (
+                    parse_schema(params.json, self.limits) if isinstance(params.json, str) else params.json
+                )
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be an object")
+                check_schema(schema, self.limits)
                 return str(matcher.grammar_from_json_schema(as_constraint(schema)))
             if params.json_object:
                 return str(matcher.grammar_from_json_schema(as_constraint({"type": "object"})))
             if params.regex is not None:
+                check_regex(params.regex, self.limits)
                 return str(matcher.grammar_from_regex(params.regex))
             if params.choice is not None:
+                check_choices(params.choice, self.limits)
                 alternatives = " | ".join(json.dumps(c) for c in params.choice)
                 return str(matcher.grammar_from_lark(f"start: {alternatives}"))
             assert params.grammar is not None
+            check_grammar(params.grammar, self.limits)
             return str(matcher.grammar_from_lark(params.grammar))
         except (ValueError, TypeError) as exc:
-            raise BadRequestError(f"structured_outputs: {exc}", param="structured_outputs") from None
+            raise _bad(str(exc)) from None
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher for one request, its first mask computed (so a grammar that fails lazily fails here,
-        as a ValueError, not in the middle of a batch)."""
-        start_s = time.perf_counter()
+    def _build(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher, its first mask computed (so a grammar that fails lazily fails here, not in the
+        middle of a batch). Runs on a compile thread."""
         matcher = self._ll.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
         first = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
         if not matcher.is_error():
             matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * first.element_size())
         if matcher.is_error():
-            raise BadRequestError(f"structured_outputs: {matcher.get_error()}", param="structured_outputs")
-        elapsed_s = time.perf_counter() - start_s
-        if elapsed_s > self.compile_timeout_s:
-            raise BadRequestError(
-                f"structured_outputs: compiling the constraint took {elapsed_s:.2f} s, over the "
-                f"{self.compile_timeout_s:g} s limit",
-                param="structured_outputs",
-            )
+            raise _bad(matcher.get_error())
+        if not bool(first.any()) and not matcher.is_accepting():
+            raise _bad("the constraint allows no output at all (its language is empty)")
         return matcher
+
+    def start(self, params: StructuredOutputsParams) -> Future[Any]:
+        """Start compiling ``params`` on a compile thread; the future holds the matcher or the
+        BadRequestError. QueueFullError when every compile slot stays busy for the whole time budget."""
+        if not self._slots.acquire(timeout=self.compile_timeout_s):
+            raise QueueFullError("every constraint compiler is busy; retry after a moment")
+        future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(self._build(params))
+            except BaseException as exc:  # handed to the waiter; the thread itself ends cleanly
+                future.set_exception(exc)
+            finally:
+                self._slots.release()
+
+        try:
+            start_big_stack_thread(run, "tokenmill-constraint")
+        except BaseException:
+            self._slots.release()
+            raise
+        return future
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher for one request (the caller waits; see :meth:`start`)."""
+        future = self.start(params)
+        try:
+            return future.result(timeout=self.compile_timeout_s)
+        except FutureTimeoutError:
+            raise self.timed_out() from None
+
+    def timed_out(self) -> BadRequestError:
+        """The error for a compile abandoned at its time budget (counted)."""
+        self.num_compile_timeouts += 1
+        return _bad(f"compiling the constraint ran over the {self.compile_timeout_s:g} s limit")
+
+
+def _bad(message: str) -> BadRequestError:
+    return BadRequestError(f"structured_outputs: {clean_error(message)}", param="structured_outputs")
+
+
+def clean_error(message: str) -> str:
+    """llguidance's message for people: its first line, at most ``MAX_ERROR_CHARS`` (never its internal
+    state or a Rust backtrace)."""
+    first = message.strip().splitlines()[0] if message.strip() else "the constraint failed"
+    if first == "NoExtensionBias":  # llguidance's word for a grammar that matches nothing
+        return "the constraint allows no output at all (its language is empty)"
+    return first if len(first) <= MAX_ERROR_CHARS else first[: MAX_ERROR_CHARS - 3] + "..."
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def start_big_stack_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running ``target`` on a ``COMPILE_STACK_BYTES`` stack."""
+    with _STACK_LOCK:  # threading.stack_size is process-wide: set it only around this one start
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    return thread
+
+
+class GrammarCache:
+    """Translated grammars by constraint key, least recently used evicted once keys and texts pass
+    ``max_bytes``; thread-safe. Counts for /metrics."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, str] = OrderedDict()
+        self.num_bytes = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_evicted = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            text = self._entries.get(key)
+            if text is None:
+                self.num_misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.num_hits += 1
+            return text
+
+    def put(self, key: str, text: str) -> None:
+        size = len(key) + len(text)
+        with self._lock:
+            if key in self._entries or size > self.max_bytes:
+                return
+            while self._entries and self.num_bytes + size > self.max_bytes:
+                old_key, old = self._entries.popitem(last=False)
+                self.num_bytes -= len(old_key) + len(old)
+                self.num_evicted += 1
+            self._entries[key] = text
+            self.num_bytes += size
 
 
 def apply_masks(logits: torch.Tensor, matchers: Sequence[tuple[int, Any]]) -> None:
@@ -161,7 +295,7 @@ def advance(matcher: Any, token_ids: Sequence[int]) -> str | None:
     message when a token was not allowed (cannot happen under the mask but for EOS-less stops), else None."""
     for token in token_ids:
         if not matcher.consume_token(token):
-            return f"structured output: token {token} does not fit the grammar ({matcher.get_error()})"
+            return f"structured output: token {token} does not fit the grammar ({clean_error(matcher.get_error())})"
     if matcher.is_stopped():
         return "stop"
     return None

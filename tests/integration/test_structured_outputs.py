@@ -166,7 +166,7 @@ def test_bad_constraints_are_value_errors(make_engine: Any) -> None:
 
 def test_a_compile_past_the_time_limit_is_refused(make_engine: Any) -> None:
     engine = make_engine()
-    structured = engine._structured()
+    structured = engine.structured_outputs()
     structured.compile_timeout_s = 0.0  # every compile is over it
     try:
         with pytest.raises(ValueError, match="over the 0 s limit"):

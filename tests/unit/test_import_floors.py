@@ -18,6 +18,7 @@ FLOORS: list[set[str]] = [
     {
         "errors",
         "json_schema",
+        "constraint_limits",
         "config",
         "sampling_params",
         "request",

@@ -87,6 +87,7 @@ def build_app(
 
     if getattr(async_engine, "metrics", None) is not None:
         async_engine.metrics.watch_response_store(state.response_store)
+        async_engine.metrics.watch_constraints(async_engine.constraint_compiler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -74,6 +74,7 @@ class _Add:
     arrival_s: float
     cache_salt: str | None = None
     trace_headers: dict[str, str] | None = None
+    grammars: list[Any] = field(default_factory=list)  # per prompt: its compiled constraint, or None
 
 
 @dataclass
@@ -300,10 +301,16 @@ class AsyncEngine:
         if request_id is None:
             self._next_id += 1
             request_id = f"req-{self._next_id}"
+        try:
+            grammars = await self._compile_constraints([sp for _, sp in prompts])
+        except BaseException:
+            with self._lock:
+                self._counters.num_in_flight -= len(prompts)
+            raise
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(self, ids, asyncio.get_running_loop())
         headers = current_trace_headers.get()
-        add = _Add(group, [(list(p), sp) for p, sp in prompts], arrival_s, cache_salt, headers)
+        add = _Add(group, [(list(p), sp) for p, sp in prompts], arrival_s, cache_salt, headers, grammars)
         if not self._send(add):
             with self._lock:
                 self._counters.num_in_flight -= len(prompts)
@@ -314,6 +321,36 @@ class AsyncEngine:
             group.abort()
             raise
         return group
+
+    async def _compile_constraints(self, params: Sequence[SamplingParams]) -> list[Any]:
+        """Each choice's constraint compiled before the engine thread sees it (off the event loop and off the
+        engine thread, within the compile's time budget: a compile that overruns is abandoned, not waited
+        for); one compile per distinct constraint, a copy of its matcher for each further choice. None where
+        a choice has no constraint or the engine compiles its own."""
+        compilers = getattr(self._engine, "structured_outputs", None)
+        grammars: list[Any] = [None] * len(params)
+        if compilers is None or all(sp.structured_outputs is None for sp in params):
+            return grammars
+        compiler = await asyncio.to_thread(compilers)  # the first one builds llguidance's tokenizer (~1 s)
+        compiled: dict[int, Any] = {}
+        for index, sp in enumerate(params):
+            constraint = sp.structured_outputs
+            if constraint is None:
+                continue
+            if id(constraint) in compiled:
+                grammars[index] = compiled[id(constraint)].deep_copy()
+                continue
+            future = await asyncio.to_thread(compiler.start, constraint)
+            try:
+                matcher = await asyncio.wait_for(asyncio.wrap_future(future), compiler.compile_timeout_s)
+            except TimeoutError:
+                raise compiler.timed_out() from None
+            compiled[id(constraint)] = grammars[index] = matcher
+        return grammars
+
+    def constraint_compiler(self) -> Any:
+        """The engine's constraint compiler once a constrained request built it, else None (for /metrics)."""
+        return getattr(self._engine, "built_structured_outputs", None)
 
     def _send(self, command: _Add | _Abort | _AbortAll | _Stop) -> bool:
         """Queue a command for the engine thread; False when the thread has finished and will not read it."""
@@ -426,9 +463,13 @@ class AsyncEngine:
             for index, ((token_ids, params), request_id) in enumerate(
                 zip(command.prompts, group.request_ids, strict=True)
             ):
-                salt = {} if command.cache_salt is None else {"cache_salt": command.cache_salt}
+                extra: dict[str, Any] = (
+                    {} if command.cache_salt is None else {"cache_salt": command.cache_salt}
+                )
+                if command.grammars and command.grammars[index] is not None:
+                    extra["grammar"] = command.grammars[index]
                 self._engine.add_request(
-                    token_ids, params, request_id=request_id, arrival_time_s=command.arrival_s, **salt
+                    token_ids, params, request_id=request_id, arrival_time_s=command.arrival_s, **extra
                 )
                 added.append(request_id)
                 record = AddedRequest(

@@ -170,29 +170,53 @@ MAX_JSON_DEPTH = 64  # nesting deeper than any OpenAI request needs (tool schema
 
 
 def parse_json(raw: bytes) -> Any:
-    """Strict JSON: a 400 for anything malformed, at any depth or size (never a RecursionError's 500)."""
+    """Strict JSON: a 400 for anything malformed, at any depth or size (never a RecursionError's 500), and for
+    text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON's escapes can spell
+    and no encoder downstream can write), naming the field that holds it."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         raise ApiError.bad_request("the body is not valid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity, integers past Python's digit limit
         raise ApiError.bad_request(f"the body is not valid JSON: {exc}") from None
-    if _depth(body) > MAX_JSON_DEPTH:
-        raise ApiError.bad_request(f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+    check_json_value(body, MAX_JSON_DEPTH)
     return body
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value, iteratively (no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
+def check_json_value(value: Any, max_depth: int, at: str = "") -> None:
+    """A 400 when ``value`` (parsed JSON) nests more than ``max_depth`` levels or holds a string (a key or a
+    value) that is not valid Unicode. Iterative: no recursion limit to hit."""
+    stack: list[tuple[Any, str, int]] = [(value, at, 1)]
     while stack:
-        item, depth = stack.pop()
+        item, path, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, path)
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if depth > max_depth:
+            raise ApiError.bad_request(f"the body is nested more than {max_depth} levels deep")
         if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, list):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in item if isinstance(child, dict | list))
-    return deepest
+            for key, child in item.items():
+                child_path = f"{path}.{key}" if path else str(key)
+                _check_text(key, child_path)
+                stack.append((child, child_path, depth + 1))
+        else:
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
+
+
+def _check_text(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        field = path.encode("utf-8", "backslashreplace").decode() or None
+        raise ApiError.bad_request(
+            f"{field or 'the body'}: the text is not valid Unicode (a lone surrogate "
+            f"{text[exc.start]!r} at character {exc.start})",
+            param=field,
+        ) from None
 
 
 def _too_large(max_body_bytes: int) -> ApiError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,38 @@ class _ResponseStoreSeries(Collector):
         ):  # fmt: skip
             family = kind(name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
+            yield family
+
+
+class _ConstraintSeries(Collector):
+    """The compiled-constraint cache and the compiles refused at their time budget, read at each scrape
+    (zeros until the first constrained request builds the compiler)."""
+
+    def __init__(self, compiler: Callable[[], Any], model_name: str) -> None:
+        self.compiler, self.model_name = compiler, model_name
+
+    def collect(self) -> Iterable[Any]:
+        compiler = self.compiler()
+        cache = compiler.cache if compiler is not None else None
+
+        def read(attr: str) -> float:
+            return float(getattr(cache, attr)) if cache is not None else 0.0
+
+        for kind, name, help_text, value in (
+            (GaugeMetricFamily, "tokenmill:constraint_cache_entries", "Translated grammars cached.",
+             float(len(cache)) if cache is not None else 0.0),
+            (GaugeMetricFamily, "tokenmill:constraint_cache_bytes", "Bytes of the cached grammars and keys.",
+             read("num_bytes")),
+            (CounterMetricFamily, "tokenmill:constraint_cache_hits", "Constraints found translated.", read("num_hits")),
+            (CounterMetricFamily, "tokenmill:constraint_cache_misses", "Constraints translated.", read("num_misses")),
+            (CounterMetricFamily, "tokenmill:constraint_cache_evictions",
+             "Grammars evicted by the cache's byte bound (least recently used first).", read("num_evicted")),
+            (CounterMetricFamily, "tokenmill:constraint_compile_timeouts",
+             "Constraints refused because compiling them ran over the time budget.",
+             float(compiler.num_compile_timeouts) if compiler is not None else 0.0),
+        ):  # fmt: skip
+            family = kind(name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
             yield family
 
 
@@ -336,6 +368,11 @@ class ServerMetrics:
     def watch_response_store(self, store: Any) -> None:
         """Export the Responses API store's size and evictions (``tokenmill:responses_*``)."""
         self.registry.register(_ResponseStoreSeries(store, self.model_name))
+
+    def watch_constraints(self, compiler: Callable[[], Any]) -> None:
+        """Export the constraint compiler's cache and time-outs (``tokenmill:constraint_*``); ``compiler``
+        returns it, or None while none is built."""
+        self.registry.register(_ConstraintSeries(compiler, self.model_name))
 
     def count_rejection(self) -> None:
         with self.lock:

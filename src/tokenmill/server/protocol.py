@@ -322,9 +322,9 @@ class ChatCompletionRequest(_SamplingFields):
             for call in m.calls():
                 try:
                     rendered = render_call(call.name, call.arguments, parser)
-                except ValueError:
+                except ValueError as exc:
                     raise ParamError(
-                        "tool_calls: arguments must be a JSON object string", param="messages"
+                        f"tool_calls: arguments must be a JSON object string ({exc})", param="messages"
                     ) from None
                 content = f"{content}\n{rendered}" if content else rendered
             out.append({"role": m.role, "content": content})
@@ -580,6 +580,9 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return bias
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 to 2 (the engine itself takes any temperature >= 0)
+
+
 def to_sampling_params(
     req: _SamplingFields,
     *,
@@ -595,6 +598,11 @@ def to_sampling_params(
     ``defaults`` (the engine's generation defaults) fill the sampling fields the request leaves unset; past
     them, OpenAI's (temperature 1.0, no top-p/top-k/min-p filter, no repetition penalty)."""
     req.check_stops()
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise ParamError(
+            f"temperature: {req.temperature:g} is greater than the maximum of {MAX_TEMPERATURE:g}",
+            param="temperature",
+        )
     d = for_request(dict(defaults or {}), req.temperature)
     structured, _ = req.structured()
     stop = req.stop

@@ -217,7 +217,7 @@ class CountTokensRequest(_MessagesBase):
 class MessagesRequest(_MessagesBase):
     max_tokens: int
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = False

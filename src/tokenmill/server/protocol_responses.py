@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
 
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -166,6 +166,29 @@ class ResponsesStreamOptions(_Request):
     include_obfuscation: bool | None = None  # padding against length side channels: tokenmill sends none
 
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata``: 16 pairs, keys of 64 characters, values of 512; ParamError past them."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise ParamError(
+            f"metadata: at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}", param="metadata"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ParamError(
+                f"metadata: keys are at most {MAX_METADATA_KEY_CHARS} characters", param="metadata"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ParamError(
+                f"metadata.{key}: values are at most {MAX_METADATA_VALUE_CHARS} characters",
+                param=f"metadata.{key}",
+            )
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[Any] | None = None
@@ -195,7 +218,7 @@ class ResponsesRequest(_Request):
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None
     reasoning: Reasoning | None = None
-    background: Literal[False] | None = None
+    background: StrictBool | None = None  # only false (0 is not false)
     max_tool_calls: None = None  # a cap on built-in tool calls: there are none here
     prompt: None = None  # stored prompt templates live on OpenAI's side
     conversation: None = None  # the Conversations API is not served
@@ -203,6 +226,13 @@ class ResponsesRequest(_Request):
     top_k: int | None = None
     seed: int | None = None
     cache_salt: str | None = None
+
+    @field_validator("background")
+    @classmethod
+    def _foreground_only(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("Input should be False (background responses are not served)")
+        return value
 
     def function_tools(self) -> list[FunctionTool]:
         return validate_tools(
@@ -224,6 +254,8 @@ class ResponsesRequest(_Request):
             )
         if self.input is None and self.previous_response_id is None:
             raise ParamError("input is required", param="input")
+        check_metadata(self.metadata)
+
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ParamError(
                 f"max_output_tokens must be at least 1, got {self.max_output_tokens}",

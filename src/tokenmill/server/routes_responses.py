@@ -116,9 +116,13 @@ async def list_input_items(request: Request, response_id: str) -> Response:
         if name not in ("limit", "order", "after"):
             raise ApiError.bad_request(f"query parameter {name!r} is not supported", param=name)
     limit_text = query.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+    # ASCII digits only: str.isdigit() takes "²" (int() refuses it) and a 5,000-digit int() raises
+    if (
+        not (limit_text.isascii() and limit_text.isdigit() and len(limit_text) <= 3)
+        or not 1 <= int(limit_text) <= 100
+    ):
         raise ApiError.bad_request(
-            f"limit must be an integer from 1 to 100, got {limit_text!r}", param="limit"
+            f"limit must be an integer from 1 to 100, got {limit_text[:20]!r}", param="limit"
         )
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -292,7 +296,7 @@ class _ResponsesView:
         output: list[dict[str, Any]] = []
         if content or not calls:
             logprobs = self.logprobs(result.token_ids, result.logprobs) if self.req.wants_logprobs else []
-            output.append(self.message_item(content, logprobs))
+            output.append(self.message_item(content, logprobs, item_status(result.finish_reason)))
         output.extend(self.call_item(c) for c in calls)
         response = self.response_object("completed", output, len(result.token_ids), result.finish_reason)
         self.store(response)
@@ -353,7 +357,7 @@ class _ResponsesView:
                 if self.req.wants_logprobs and not calls
                 else []
             )
-            item = self.message_item(text, logprobs)
+            item = self.message_item(text, logprobs, item_status(self.finish_reason))
             out.append(self.sse("response.output_text.done", item_id=self.message_id, output_index=0,
                                 content_index=0, text=text, logprobs=logprobs))  # fmt: skip
             out.append(self.sse("response.content_part.done", item_id=self.message_id, output_index=0,
@@ -384,3 +388,8 @@ class _ResponsesView:
         failure = {"code": error.info.code or error.info.type, "message": error.info.message}
         body = self.response_object("failed", [], None, error=failure).model_dump()
         return [self.sse("response.failed", response=body)]
+
+
+def item_status(finish_reason: str | None) -> str:
+    """An output message's status: cut at max_output_tokens is ``incomplete``, as the response is."""
+    return "incomplete" if finish_reason == "length" else "completed"

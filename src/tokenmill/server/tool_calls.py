@@ -64,10 +64,25 @@ def fallback_system_prompt(tools: list[dict[str, Any]], parser: str) -> str:
 
 def render_call(name: str, arguments: str, parser: str) -> str:
     """An assistant turn's earlier call, written back into the history in the model's format."""
-    args = json.loads(arguments) if arguments else {}
+    args = parse_arguments(arguments) if arguments else {}
     if parser == "llama3_json":
         return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
+
+
+def parse_arguments(arguments: str) -> Any:
+    """A call's ``arguments`` (a JSON text) parsed; ValueError saying why for text that is not JSON, nests
+    too deeply, or holds a lone surrogate (which no encoder downstream can write)."""
+    try:
+        args = json.loads(arguments)
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise ValueError("they nest too deeply") from None
+    except UnicodeEncodeError:
+        raise ValueError("they hold text that is not valid Unicode (a lone surrogate)") from None
+    except ValueError as exc:
+        raise ValueError(f"they are not valid JSON: {exc}") from None
+    return args
 
 
 _DEFS_KEYS = ("$defs", "definitions")
