@@ -23,9 +23,17 @@ pytestmark = pytest.mark.slow  # a Ray cluster and two model copies on two cores
 
 
 @pytest.fixture(scope="module")
-def ray_server() -> Iterator[ServerProcess]:
+def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    store = tmp_path_factory.mktemp("store") / "responses.sqlite3"
     proc = ServerProcess(
-        "--ray", "--num-replicas", "2", "--num-cpus-per-replica", "0.5", module="tokenmill.serving.ray_serve"
+        "--ray",
+        "--num-replicas",
+        "2",
+        "--num-cpus-per-replica",
+        "0.5",
+        "--response-store",
+        f"sqlite:{store}",
+        module="tokenmill.serving.ray_serve",
     ).start(timeout_s=300)
     try:
         yield proc
@@ -92,6 +100,22 @@ def _stream(server: ServerProcess, results: dict[int, Any], i: int, started: thr
                         started.set()
     except httpx.HTTPError as exc:
         outcome["error"] = repr(exc)
+
+
+def test_a_previous_response_id_continues_on_whichever_replica_serves_it(ray_server: ServerProcess) -> None:
+    """The replicas share one store: a response stored by one replica is continued by the other."""
+    url = f"{ray_server.base_url}/v1/responses"
+    crossed = 0
+    for _ in range(12):
+        first = httpx.post(url, json={"input": "Say hi", "max_output_tokens": 2}, timeout=120)
+        assert first.status_code == 200, first.text
+        then = httpx.post(url, json={"input": "Again", "previous_response_id": first.json()["id"],
+                                     "max_output_tokens": 2}, timeout=120)  # fmt: skip
+        assert then.status_code == 200, then.text
+        crossed += first.headers["x-tokenmill-replica"] != then.headers["x-tokenmill-replica"]
+        if crossed >= 2:
+            break
+    assert crossed >= 2
 
 
 def test_a_replica_killed_mid_stream_fails_only_its_own_requests(ray_server: ServerProcess) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.common import (
     BODY_MODELS,
+    KEY_OWNER,
     ApiError,
     ServerState,
 )
@@ -50,7 +51,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 def build_app(
     async_engine: AsyncEngine,
     served_model_name: str | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     *,
     body_timeout_s: float = 30.0,
@@ -62,6 +63,7 @@ def build_app(
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
+    ``api_key``: one key or several (each stored response is readable only with the key that created it).
     ``cors``: keyword arguments of Starlette's CORSMiddleware (``allow_origins`` ...), or None for no CORS.
     """
     from tokenmill.server import (
@@ -77,7 +79,7 @@ def build_app(
     state = ServerState(
         async_engine=async_engine,
         served_model_name=served_model_name or async_engine.model_name,
-        api_key=api_key or None,
+        api_keys=tuple(k for k in ([api_key] if isinstance(api_key, str) else api_key or ()) if k),
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         tool_call_parser=tool_call_parser,
@@ -106,8 +108,8 @@ def build_app(
     app.include_router(routes_tokenize.router)
     _add_error_handlers(app)
     app.add_middleware(TraceContextMiddleware)
-    if state.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, open_paths=OPEN_PATHS)
+    if state.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=state.api_keys, open_paths=OPEN_PATHS)
     if max_header_bytes is not None:
         app.add_middleware(HeaderLimitMiddleware, max_header_bytes=max_header_bytes)
     if cors is not None:  # outermost: a preflight carries no API key, and every answer needs the CORS headers
@@ -175,29 +177,36 @@ class HeaderLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Rejects, with 401, every HTTP request but those to ``open_paths`` that lacks the right key: a bearer
-    token (OpenAI's clients) or an ``x-api-key`` header (Anthropic's).
+    """Rejects, with 401, every HTTP request but those to ``open_paths`` that lacks one of the keys: a bearer
+    token (OpenAI's clients) or an ``x-api-key`` header (Anthropic's). An accepted request carries its key's
+    owner id (a digest, never the key) in the scope's state (``common.KEY_OWNER``): what it stores is its own.
 
-    The comparison is constant-time over SHA-256 digests, so neither content nor length leaks by timing.
+    The comparison is constant-time over SHA-256 digests against every key (no early exit), so neither
+    content, length nor which key matched leaks by timing.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: Sequence[str], open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") in self.open_paths:
             await self.app(scope, receive, send)
             return
-        if self._authorized(scope):
+        owner = self._owner(scope)
+        if owner is not None:
+            scope.setdefault("state", {})[KEY_OWNER] = owner
             await self.app(scope, receive, send)
             return
         error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         error.headers = {"WWW-Authenticate": "Bearer"}
         await error.response_for(scope.get("path", ""))(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _owner(self, scope: Scope) -> str | None:
+        """The owner id of the key presented, or None when none of the keys is."""
         presented: list[bytes] = []
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
@@ -206,10 +215,13 @@ class ApiKeyMiddleware:
                     presented.append(token.strip())
             elif name == b"x-api-key":
                 presented.append(value.strip())
-        return any(
-            hmac.compare_digest(hashlib.sha256(key).digest(), self._digest) and key != b""
-            for key in presented
-        )
+        matched: bytes | None = None
+        for key in presented:
+            digest = hashlib.sha256(key).digest()
+            for known in self._digests:
+                if hmac.compare_digest(digest, known) and key != b"":
+                    matched = known
+        return None if matched is None else hashlib.sha256(b"owner:" + matched).hexdigest()[:32]
 
 
 def _add_error_handlers(app: FastAPI) -> None:

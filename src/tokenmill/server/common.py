@@ -29,11 +29,19 @@ RETRY_AFTER_S = 1
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
+KEY_OWNER = "tokenmill_key_owner"  # in the ASGI scope's state: who stores what this request stores
+
+
+def key_owner(request: Request) -> str:
+    """The owner of what this request stores (a digest of its API key; ``""`` when the server has none)."""
+    return str(request.scope.get("state", {}).get(KEY_OWNER, ""))
+
+
 @dataclass
 class ServerState:
     async_engine: AsyncEngine
     served_model_name: str
-    api_key: str | None
+    api_keys: tuple[str, ...]
     max_body_bytes: int
     body_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"

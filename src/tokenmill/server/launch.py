@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 from collections.abc import Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
@@ -51,9 +52,13 @@ def _add_http_arguments(s: Any) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics (or set {API_KEY_ENV})",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and /metrics; "
+        f"repeat for several keys (or set {API_KEY_ENV}); a stored response is readable only with the key that "
+        "created it",
     )
+    s.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one a line ('#' comments)")
     s.add_argument(
         "--max-queue",
         type=int,
@@ -125,13 +130,28 @@ def _add_limit_arguments(s: Any) -> None:
         "--max-connections",
         type=int,
         default=1024,
-        help="open connections beyond this get 503 (uvicorn's limit_concurrency)",
+        help="open connections beyond this are answered 503 and closed",
+    )
+    s.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=128,
+        help="open connections from one client address beyond this are answered 503 and closed, counted before "
+        "the API key is checked (0: no per-client limit, e.g. behind a proxy that is the only client)",
     )
     s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    s.add_argument(
+        "--response-store",
+        default="sqlite",
+        metavar="STORE",
+        help="where the Responses API keeps stored responses: sqlite (a file in the cache directory, the "
+        "default: survives restarts, shared by the replicas on this machine), sqlite:PATH, redis://HOST:PORT/DB "
+        "(shared by replicas on several machines; extra tokenmill[redis]) or memory",
     )
     s.add_argument(
         "--responses-store-max-count",
@@ -191,9 +211,8 @@ def run_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         lifespan="on",
         timeout_graceful_shutdown=max(1, int(args.shutdown_timeout) + 5),
-        http=protocol_class(args.header_timeout),
+        http=protocol_class(args.header_timeout, args.max_connections, args.max_connections_per_client),
         h11_max_incomplete_event_size=args.max_header_bytes,
-        limit_concurrency=args.max_connections,
     )
     server = _make_server(config)
     try:
@@ -210,6 +229,8 @@ def _checked_cors(args: argparse.Namespace) -> dict[str, Any] | None:
     """ValueError for a server flag out of range; the CORS settings (None: no CORS)."""
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be a positive integer, got {args.max_queue}")
+    if args.max_connections_per_client < 0:
+        raise ValueError(f"--max-connections-per-client must be >= 0, got {args.max_connections_per_client}")
     for flag in ("max_body_bytes", "max_header_bytes", "max_connections", "max_consecutive_step_failures"):
         if getattr(args, flag) < 1:
             raise ValueError(
@@ -236,9 +257,8 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
     from tokenmill.server.app import build_app
     from tokenmill.server.async_engine import AsyncEngine
     from tokenmill.server.metrics import ServerMetrics
-    from tokenmill.server.response_store import ResponseStore
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_keys = api_keys_from_args(args)
 
     engine = Engine(engine_config_from_args(args))
     served_name = args.served_model_name or engine.model_name
@@ -258,21 +278,51 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
     app = build_app(
         async_engine,
         served_name,
-        api_key,
+        api_keys,
         args.max_body_bytes,
         body_timeout_s=args.body_timeout,
         cors=cors,
         max_header_bytes=args.max_header_bytes,
         tool_call_parser=args.tool_call_parser,
-        response_store=ResponseStore(args.responses_store_max_count, args.responses_store_max_bytes),
+        response_store=response_store_from_args(args),
         enable_per_request_metrics=args.enable_per_request_metrics,
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",
         served_name, args.host, args.port, engine.max_model_len, engine.num_total_blocks,
-        "required" if api_key else "off",
+        f"{len(api_keys)} required" if api_keys else "off",
     )  # fmt: skip
     return async_engine, app
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """Every key of --api-key, --api-key-file and the environment (ValueError for an unreadable file)."""
+    keys = list(args.api_key or [])
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file: {exc}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+    return [key for key in keys if key]
+
+
+def response_store_from_args(args: argparse.Namespace) -> Any:
+    from tokenmill.model.gguf_loader import default_cache_dir
+    from tokenmill.server.response_store import open_response_store
+
+    store = open_response_store(
+        args.response_store,
+        args.responses_store_max_count,
+        args.responses_store_max_bytes,
+        default_cache_dir(),
+    )
+    logger.info("responses store: %s%s", store.kind, f" {store.path}" if hasattr(store, "path") else "")
+    return store
 
 
 def _observers(args: argparse.Namespace, engine: Any, served_name: str) -> list[Any]:

@@ -2,12 +2,20 @@
 
 Written on the engine thread when a request ends, one line each, flushed at once (a killed server loses at
 most the line being written). Never the prompt's text unless ``record_text``: its length and its blocks'
-chained keys say what the scheduler and the prefix cache need.
+chained keys say what the scheduler and the prefix cache need. Never a request's own id either: a Responses
+request's id is its stored response's, which opens the prompt and the answer to whoever holds the file and
+can reach the server. A line's ``request_id`` keeps the API's prefix and the choice's index around an HMAC
+of the id under a key drawn at start and never written (``chatcmpl-3f9c...-0``): lines of one request still
+group, nothing in the file names a stored object.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +66,7 @@ class TrafficRecorder:
             str, tuple[list[str], float, int]
         ] = {}  # id -> (prefix keys, arrival iteration, index)
         self._num_added = 0
+        self._id_key = os.urandom(32)  # for recorded_id; kept in memory only
         config = {
             "block_size": self.block_size,
             "num_kv_blocks": int(engine.num_total_blocks),
@@ -84,7 +93,7 @@ class TrafficRecorder:
         keys, arrival_iteration, index = self._pending.pop(request.request_id, ([], self.clock.num_steps, -1))
         params, m = request.params, delta.metrics
         line = TrafficRequest(
-            request_id=request.request_id,
+            request_id=self.recorded_id(request.request_id),
             arrival_s=round(request.arrival_s - self.start_s, 6),
             arrival_iteration=round(arrival_iteration, 3),
             arrival_index=index,
@@ -107,6 +116,17 @@ class TrafficRecorder:
         )
         self.file.write(line.to_line() + "\n")
         self.file.flush()
+
+    def recorded_id(self, request_id: str) -> str:
+        """``request_id`` as the file shows it: the API's prefix, an HMAC of the rest, the choice's index."""
+        base, dash, choice = request_id.rpartition("-")
+        if not (dash and choice.isdigit()):
+            base, choice = request_id, ""
+        prefix = re.match(r"[A-Za-z]*", base)
+        digest = hmac.new(self._id_key, base.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[
+            :24
+        ]
+        return f"{prefix.group(0) if prefix else ''}-{digest}" + (f"-{choice}" if choice else "")
 
     def close(self) -> None:
         self.file.close()

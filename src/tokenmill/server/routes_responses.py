@@ -28,6 +28,7 @@ from tokenmill.server.common import (
     ServerState,
     api_error,
     get_state,
+    key_owner,
     parse_request,
     request_body,
     submit,
@@ -42,6 +43,7 @@ from tokenmill.server.protocol_responses import (
     to_chat,
 )
 from tokenmill.server.respond import respond
+from tokenmill.server.response_store import ResponseStoreError, StoredResponse
 from tokenmill.server.routes_chat import plan_chat
 from tokenmill.server.tool_calls import parse as parse_tool_calls
 from tokenmill.server.tool_calls import streamable_prefix
@@ -62,7 +64,7 @@ async def create_response(request: Request) -> Response:
         req.check()
         history: list[InputItem] = []
         if req.previous_response_id is not None:
-            stored = state.response_store.get(req.previous_response_id)
+            stored = await _stored(request, req.previous_response_id)
             if stored is None:
                 raise _not_found(req.previous_response_id, "previous_response_id")
             history = parse_items(stored.conversation, param="previous_response_id")
@@ -76,7 +78,7 @@ async def create_response(request: Request) -> Response:
         structured_param="tools" if chat.forces_tool_call else ("text.format" if plan.structured_param else None),
     )  # fmt: skip
     conversation = [item.model_dump(exclude_none=True) for item in history + req.input_items()]
-    view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation)
+    view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(request))
     return await respond(request, state, view, group, bool(req.stream))
 
 
@@ -100,10 +102,22 @@ def _renamed(exc: ParamError) -> ApiError:
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
     _refuse_query(request)
-    stored = get_state(request).response_store.get(response_id)
+    stored = await _stored(request, response_id)
     if stored is None:
         raise _not_found(response_id)
     return JSONResponse(stored.response)
+
+
+async def _stored(request: Request, response_id: str) -> StoredResponse | None:
+    """The stored response if this request's API key stored it (off the event loop: the store may be a file
+    or a server); a store that fails is a 503 saying so."""
+    store = get_state(request).response_store
+    try:
+        return await run_in_threadpool(store.get, response_id, key_owner(request))
+    except ResponseStoreError as exc:
+        raise ApiError(
+            503, f"the response store failed: {exc}", type="server_error", code="response_store_error"
+        ) from None
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -127,7 +141,7 @@ async def list_input_items(request: Request, response_id: str) -> Response:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError.bad_request(f"order must be 'asc' or 'desc', got {order!r}", param="order")
-    stored = get_state(request).response_store.get(response_id)
+    stored = await _stored(request, response_id)
     if stored is None:
         raise _not_found(response_id)
     num_inputs = len(stored.conversation) - len(stored.response.get("output") or [])
@@ -166,7 +180,14 @@ def _listed_item(item: dict[str, Any], response_id: str, index: int) -> dict[str
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
     _refuse_query(request)
-    if not get_state(request).response_store.delete(response_id):
+    store = get_state(request).response_store
+    try:
+        deleted = await run_in_threadpool(store.delete, response_id, key_owner(request))
+    except ResponseStoreError as exc:
+        raise ApiError(
+            503, f"the response store failed: {exc}", type="server_error", code="response_store_error"
+        ) from None
+    if not deleted:
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -181,9 +202,10 @@ class _ResponsesView:
 
     def __init__(
         self, state: ServerState, req: ResponsesRequest, response_id: str, num_prompt_tokens: int,
-        conversation: list[dict[str, Any]],
+        conversation: list[dict[str, Any]], owner: str = "",
     ) -> None:  # fmt: skip
         self.state = state
+        self.owner = owner  # the API key's digest: only it reads the stored response back
         self.req = req
         self.id = response_id
         self.created_at = int(time.time())
@@ -283,10 +305,14 @@ class _ResponsesView:
         return (content or "") if calls else text, calls
 
     def store(self, response: ResponseObject) -> None:
+        """Keep the response for its key; one the store could not keep says ``store: false``."""
         if self.req.store is False:
             return
         body = response.model_dump()
-        self.state.response_store.put(body, self.conversation + [dict(item) for item in body["output"]])
+        if not self.state.response_store.put(
+            body, self.conversation + [dict(i) for i in body["output"]], self.owner
+        ):
+            response.store = False
 
     # --- respond.View: whole -------------------------------------------------------------------------------
     def response(self, results: list[ChoiceResult]) -> ResponseObject:

@@ -62,9 +62,14 @@ def build_deployment(
     served_model_name: str | None = None,
     max_queue: int = 256,
     enable_per_request_metrics: bool = False,
+    api_keys: Sequence[str] = (),
+    response_store: str = "sqlite",
+    response_store_caps: tuple[int, int] | None = None,
 ) -> Any:
     """A bound Ray Serve application of ``num_replicas`` engines (autoscaling up to ``max_replicas`` when that
-    is larger). ``engine_kwargs`` are ``EngineConfig`` fields, applied in every replica."""
+    is larger). ``engine_kwargs`` are ``EngineConfig`` fields, applied in every replica. Every replica opens
+    the same ``response_store`` (``--response-store``: the default SQLite file on this machine, or Redis
+    across machines), so a ``previous_response_id`` works whichever replica serves the next turn."""
     serve = _require_serve()
     autoscaling = None
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus_per_replica}}
@@ -102,11 +107,17 @@ def build_deployment(
             self.tag = f"{replica}/{os.getpid()}"
 
         def __serve_build_asgi_app__(self) -> Any:
+            from tokenmill.model.gguf_loader import default_cache_dir
             from tokenmill.server.app import build_app
+            from tokenmill.server.response_store import open_response_store
 
-            app = build_app(
-                self.async_engine, self.served_name, enable_per_request_metrics=enable_per_request_metrics
+            store = open_response_store(
+                response_store, *(response_store_caps or ()), cache_dir=default_cache_dir()
             )
+            app = build_app(
+                self.async_engine, self.served_name, list(api_keys), response_store=store,
+                enable_per_request_metrics=enable_per_request_metrics,
+            )  # fmt: skip
             return _ReplicaHeader(app, self.tag)
 
     return TokenmillReplica.bind()
@@ -131,6 +142,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     import logging
 
     from tokenmill.engine_args import engine_config_from_args
+    from tokenmill.server.launch import api_keys_from_args
 
     for flag, value in (("--record", args.record), ("--otlp-traces-endpoint", args.otlp_traces_endpoint)):
         if value:  # one file or exporter per replica is not built: refused, not ignored
@@ -148,6 +160,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         enable_per_request_metrics=args.enable_per_request_metrics,
+        api_keys=api_keys_from_args(args),
+        response_store=args.response_store,
+        response_store_caps=(args.responses_store_max_count, args.responses_store_max_bytes),
     )
     logging.getLogger("tokenmill.server").info(
         "serving %d replica(s) on Ray Serve at http://%s:%d", args.num_replicas, args.host, args.port
