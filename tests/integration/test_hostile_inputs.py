@@ -63,7 +63,7 @@ OTHER_CONSTRAINTS: list[tuple[dict[str, Any], str]] = [
 
 @pytest.fixture(scope="module")
 def client(make_engine: Any) -> Iterator[httpx.AsyncClient]:
-    async_engine = AsyncEngine(make_engine(max_model_len=512), max_queue=16)
+    async_engine = AsyncEngine(make_engine(max_model_len=4096), max_queue=16)
     async_engine.start()
     app = build_app(async_engine, "m", max_body_bytes=16 << 20)
     yield httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120)
@@ -272,3 +272,23 @@ def test_constraints_compile_off_the_engine_thread_and_a_slow_one_holds_nobody(
         release.set()
         compiler.compile_timeout_s = 5.0
         async_engine.stop()
+
+
+HUGE = "word " * 1_000_000  # 5 MB: no prompt of a 512-token context
+TOO_LONG: list[tuple[str, dict[str, Any]]] = [
+    ("/tokenize", {"prompt": HUGE}),
+    ("/tokenize", {"messages": [{"role": "user", "content": HUGE}]}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": M, "system": HUGE}),
+    ("/v1/completions", {"prompt": HUGE, "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 1}),
+    ("/v1/responses", {"input": HUGE, "max_output_tokens": 1}),
+]
+
+
+@pytest.mark.parametrize("path,body", TOO_LONG, ids=lambda v: v if isinstance(v, str) else "")
+def test_text_no_context_could_hold_is_refused_before_tokenizing(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    r = _post(client, path, body)
+    assert r.status_code == 400, r.text[:300]
+    assert "cannot fit this model's context of 4096 tokens" in r.text  # the check before the tokenizer

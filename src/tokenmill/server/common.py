@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill import errors
 from tokenmill.outputs import RequestDelta
 from tokenmill.server.async_engine import AsyncEngine, ChoiceResult, RequestGroup
-from tokenmill.server.protocol import ErrorInfo, ErrorResponse, validation_error_to_param
+from tokenmill.server.protocol import ErrorInfo, ErrorResponse, ParamError, validation_error_to_param
 from tokenmill.server.response_store import ResponseStore
 
 logger = logging.getLogger("tokenmill.server")
@@ -47,6 +47,22 @@ class ServerState:
     tool_call_parser: str = "hermes"
     response_store: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's store: true
     enable_per_request_metrics: bool = False  # a `metrics` object with each response (RequestMetrics.as_json)
+
+
+MAX_CHARS_PER_TOKEN = 32  # text past this many characters per token of context could never be a prompt
+
+
+def check_text_chars(state: ServerState, num_chars: int, param: str) -> None:
+    """ParamError for text too long to be any prompt of this model, before a tokenizer spends seconds on it
+    (tokenizing is linear: this bounds its time, and what a request holds of the server)."""
+    limit = MAX_CHARS_PER_TOKEN * state.async_engine.max_model_len
+    if num_chars > limit:
+        raise ParamError(
+            f"{param}: {num_chars} characters of text cannot fit this model's context of "
+            f"{state.async_engine.max_model_len} tokens (the server tokenizes at most {limit} characters, "
+            f"{MAX_CHARS_PER_TOKEN} per token of context)",
+            param=param,
+        )
 
 
 def get_state(request: Request) -> ServerState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, replace
 
@@ -14,7 +15,14 @@ from tokenmill.generation_defaults import default_max_tokens
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
-from tokenmill.server.common import ServerState, api_error, parse_request, request_body, submit
+from tokenmill.server.common import (
+    ServerState,
+    api_error,
+    check_text_chars,
+    parse_request,
+    request_body,
+    submit,
+)
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -58,6 +66,10 @@ def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]
             messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
+    num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    check_text_chars(
+        state, num_chars + (len(json.dumps(template_tools)) if template_tools else 0), "messages"
+    )
     try:
         kwargs = {} if template_tools is None else {"tools": template_tools}
         token_ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -15,7 +15,14 @@ from starlette.responses import Response
 from tokenmill.generation_defaults import COMPLETIONS_MAX_TOKENS
 from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
-from tokenmill.server.common import ServerState, api_error, parse_request, request_body, submit
+from tokenmill.server.common import (
+    ServerState,
+    api_error,
+    check_text_chars,
+    parse_request,
+    request_body,
+    submit,
+)
 from tokenmill.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -88,6 +95,7 @@ def _prompts(req: CompletionRequest, state: ServerState) -> list[_Prompt]:
         if isinstance(item, str):
             if item == "":
                 raise ParamError("prompt must not be empty", param="prompt")
+            check_text_chars(state, len(item), "prompt")
             prompts.append(_Prompt(item, tokenizer.encode(item)))
             continue
         if not item:

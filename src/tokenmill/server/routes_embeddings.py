@@ -20,7 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.common import ApiError, ServerState, api_error, parse_request, request_body, submit
+from tokenmill.server.common import (
+    ApiError,
+    ServerState,
+    api_error,
+    check_text_chars,
+    parse_request,
+    request_body,
+    submit,
+)
 from tokenmill.server.protocol import ParamError, _Request
 from tokenmill.server.respond import wait_for_results
 
@@ -52,6 +60,7 @@ def _token_lists(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise ParamError(f"input[{i}] must not be an empty string", param="input")
+            check_text_chars(state, len(item), "input")
             ids = list(tokenizer.encode(item))
         else:
             ids = list(item)

@@ -8,7 +8,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.common import ApiError, api_error, get_state, parse_request, request_body
+from tokenmill.server.common import (
+    ApiError,
+    api_error,
+    check_text_chars,
+    get_state,
+    parse_request,
+    request_body,
+)
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -60,6 +67,7 @@ async def tokenize(request: Request) -> Response:
             tokens = await run_in_threadpool(encode_messages, state, chat)  # off the event loop
         elif req.prompt is not None:
             add_special = req.add_special_tokens is not False
+            check_text_chars(state, len(req.prompt), "prompt")
             tokens = list(await run_in_threadpool(tokenizer.encode, req.prompt, add_special))
         else:
             raise ParamError("either prompt or messages is required", param="prompt")
