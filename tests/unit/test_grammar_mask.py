@@ -59,3 +59,22 @@ def test_advance_reports_completion_and_bad_tokens() -> None:
     bad = FakeMatcher({5})
     message = advance(bad, [7])
     assert message is not None and "does not fit the grammar" in message
+
+
+class NoisyMatcher(FakeMatcher):
+    """Fails the way llguidance can: a message carrying its parser state and a Rust panic backtrace."""
+
+    def get_error(self) -> str:
+        state = "Parser state: " + "row 17 item 3 [lexeme 9] " * 200
+        return (
+            "token 5 not allowed by the lexer\n"
+            + state
+            + "\nstack backtrace:\n   0: rust_panic\n   1: llguidance::earley"
+        )
+
+
+def test_a_constraint_failing_mid_decode_says_one_short_line() -> None:
+    message = advance(NoisyMatcher({1}), [1, 5])
+    assert message is not None and message.startswith("structured output: token 5 does not fit the grammar")
+    assert "\n" not in message and "backtrace" not in message and "Parser state" not in message
+    assert len(message) < 500
