@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -182,7 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
         rss_schemas = _rss_mb(proc.pid)
         started = time.monotonic()
+        samples: list[float] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(args.seconds / 10):
+                samples.append(_rss_mb(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         counts = asyncio.run(soak(base_url, args.seconds, args.concurrency, model))
+        done.set()
         elapsed = time.monotonic() - started
         time.sleep(2)
         running = _metric(base_url, "vllm:num_requests_running")

@@ -4,7 +4,9 @@ its next position, and the advance on each sampled token.
 :class:`StructuredOutputs` belongs to the engine. ``compile(params)`` turns a
 :class:`~tokenmill.sampling_params.StructuredOutputsParams` into llguidance's grammar text (cached by the
 constraint, so a schema every request repeats is translated once) and returns a fresh ``LLMatcher`` for one
-request, or raises ValueError with llguidance's reason (an invalid schema, a regex or grammar it rejects).
+request, or raises ValueError with llguidance's reason (an invalid schema, a regex or grammar it rejects, a
+structure past :mod:`tokenmill.constraint_limits`, a compile over its time budget). Compiles run on threads of
+their own with a large stack (``start``); the server starts them before the engine thread sees the request.
 The matcher lives on the request (``Request.grammar``, opaque to the scheduler); the sampler asks it for the
 mask of constrained rows only (:func:`apply_masks`); the engine feeds it every token the request
 appends (``advance``), so a request preempted and recomputed keeps its matcher as it was: its output tokens

@@ -292,3 +292,23 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(
     r = _post(client, path, body)
     assert r.status_code == 400, r.text[:300]
     assert "cannot fit this model's context of 4096 tokens" in r.text  # the check before the tokenizer
+
+
+def test_preparing_a_prompt_past_its_time_budget_is_abandoned(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenmill.server import common
+
+    monkeypatch.setattr(common, "TEXT_BUDGET_S", 1e-9)
+    for path, body in (("/tokenize", {"prompt": "word " * 2000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 2000}]})):  # fmt: skip
+        r = _post(client, path, body)
+        assert r.status_code == 400 and "ran over the 1e-09 s limit" in r.text, r.text[:200]
+    monkeypatch.undo()
+    _still_serves(client)
+
+
+def test_a_lone_surrogate_in_the_path_is_a_4xx(client: httpx.AsyncClient) -> None:
+    for path in ("/v1/responses/%ED%A0%80", "/v1/responses/resp_%ED%A0%80/input_items", "/v1/models/%ED%A0%80"):
+        r = asyncio.run(client.get(path))
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:200])

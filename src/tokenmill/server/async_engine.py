@@ -4,7 +4,9 @@ One engine thread owns the :class:`~tokenmill.engine.Engine`; nothing else calls
 HTTP request (n choices = n engine requests, one :class:`RequestGroup`):
 
 1. The handler calls :meth:`AsyncEngine.submit`. The bounded queue is checked there (see below); a full
-   queue raises :class:`QueueFullError` at once, before anything crosses threads.
+   queue raises :class:`QueueFullError` at once, before anything crosses threads. A choice's constraint
+   (structured outputs) is compiled next, on a compile thread within its time budget, so neither the event
+   loop nor the engine thread waits on it; a bad one rejects the whole group there.
 2. An ``_Add`` command goes on a thread-safe queue and the engine thread is woken. Between two steps the
    thread drains its commands: ``engine.add_request`` for each choice (a ``ValueError`` there rejects the
    whole group, which ``submit`` re-raises), ``engine.abort`` for aborts.

@@ -27,6 +27,7 @@ logger = logging.getLogger("tokenmill.server")
 
 RETRY_AFTER_S = 1
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 
 
 KEY_OWNER = "tokenmill_key_owner"  # in the ASGI scope's state: who stores what this request stores
@@ -63,6 +64,20 @@ def check_text_chars(state: ServerState, num_chars: int, param: str) -> None:
             f"{MAX_CHARS_PER_TOKEN} per token of context)",
             param=param,
         )
+
+
+TEXT_BUDGET_S = 10.0  # a request's template and tokenization; the size bound above keeps real ones to ~2 s
+
+
+async def tokenize_off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (a template, a tokenization) on a worker thread, never the event loop or the engine's,
+    within ``TEXT_BUDGET_S``: past it the request gets a 400 and the work is abandoned, not waited for."""
+    try:
+        return await asyncio.wait_for(run_in_threadpool(fn, *args), TEXT_BUDGET_S)
+    except TimeoutError:
+        raise ApiError.bad_request(
+            f"preparing the prompt (template and tokenizer) ran over the {TEXT_BUDGET_S:g} s limit"
+        ) from None
 
 
 def get_state(request: Request) -> ServerState:

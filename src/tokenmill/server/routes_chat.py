@@ -7,7 +7,6 @@ import uuid
 from dataclasses import dataclass, replace
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,6 +21,7 @@ from tokenmill.server.common import (
     parse_request,
     request_body,
     submit,
+    tokenize_off_loop,
 )
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -137,7 +137,7 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
 async def create_chat_completion(request: Request) -> Response:
     state, req = await parse_request(request, ChatCompletionRequest)
     try:
-        plan = await run_in_threadpool(plan_chat, state, req)  # the template off the event loop
+        plan = await tokenize_off_loop(plan_chat, state, req)  # the template off the event loop
     except ParamError as exc:
         raise api_error(exc) from None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,6 +21,7 @@ from tokenmill.server.common import (
     parse_request,
     request_body,
     submit,
+    tokenize_off_loop,
 )
 from tokenmill.server.protocol import (
     CompletionChoice,
@@ -47,7 +47,7 @@ class _Prompt:
 async def create_completion(request: Request) -> Response:
     state, req = await parse_request(request, CompletionRequest)
     try:
-        prompts = await run_in_threadpool(_prompts, req, state)  # tokenizing off the event loop
+        prompts = await tokenize_off_loop(_prompts, req, state)  # tokenizing off the event loop
         n = req.num_choices
         if req.suffix:
             raise ParamError("suffix is not supported", param="suffix")

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -28,6 +27,7 @@ from tokenmill.server.common import (
     parse_request,
     request_body,
     submit,
+    tokenize_off_loop,
 )
 from tokenmill.server.protocol import ParamError, _Request
 from tokenmill.server.respond import wait_for_results
@@ -80,7 +80,7 @@ async def create_embeddings(request: Request) -> Response:
             f"others (got {req.dimensions})", param="dimensions",
         )  # fmt: skip
     try:
-        token_lists = await run_in_threadpool(_token_lists, state, req)
+        token_lists = await tokenize_off_loop(_token_lists, state, req)
     except ParamError as exc:
         raise api_error(exc) from None
     max_len = state.async_engine.max_model_len

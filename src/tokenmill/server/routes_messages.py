@@ -14,13 +14,20 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.outputs import RequestDelta
 from tokenmill.server.async_engine import ChoiceResult
-from tokenmill.server.common import ApiError, ServerState, api_error, parse_request, request_body, submit
+from tokenmill.server.common import (
+    ApiError,
+    ServerState,
+    api_error,
+    parse_request,
+    request_body,
+    submit,
+    tokenize_off_loop,
+)
 from tokenmill.server.protocol import ParamError
 from tokenmill.server.protocol_messages import CountTokensRequest, MessageObject, MessagesRequest, Usage
 from tokenmill.server.respond import respond
@@ -44,7 +51,7 @@ async def create_message(request: Request) -> Response:
     state, req = await parse_request(request, MessagesRequest)
     try:
         chat = req.to_chat()
-        plan = await run_in_threadpool(plan_chat, state, chat)
+        plan = await tokenize_off_loop(plan_chat, state, chat)
     except ParamError as exc:
         raise _renamed(exc) from None
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -57,7 +64,7 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     state, req = await parse_request(request, CountTokensRequest)
     try:
-        ids = await run_in_threadpool(encode_messages, state, req.to_chat())
+        ids = await tokenize_off_loop(encode_messages, state, req.to_chat())
     except ParamError as exc:
         raise _renamed(exc) from None
     return JSONResponse({"input_tokens": len(ids)})

@@ -32,6 +32,7 @@ from tokenmill.server.common import (
     parse_request,
     request_body,
     submit,
+    tokenize_off_loop,
 )
 from tokenmill.server.protocol import ParamError
 from tokenmill.server.protocol_responses import (
@@ -69,7 +70,7 @@ async def create_response(request: Request) -> Response:
                 raise _not_found(req.previous_response_id, "previous_response_id")
             history = parse_items(stored.conversation, param="previous_response_id")
         chat = to_chat(req, history)
-        plan = await run_in_threadpool(plan_chat, state, chat)
+        plan = await tokenize_off_loop(plan_chat, state, chat)
     except ParamError as exc:
         raise _renamed(exc) from None
     response_id = f"resp_{uuid.uuid4().hex}"

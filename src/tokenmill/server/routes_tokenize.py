@@ -15,6 +15,7 @@ from tokenmill.server.common import (
     get_state,
     parse_request,
     request_body,
+    tokenize_off_loop,
 )
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -64,11 +65,11 @@ async def tokenize(request: Request) -> Response:
             chat = ChatCompletionRequest(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt
             )
-            tokens = await run_in_threadpool(encode_messages, state, chat)  # off the event loop
+            tokens = await tokenize_off_loop(encode_messages, state, chat)  # off the event loop
         elif req.prompt is not None:
             add_special = req.add_special_tokens is not False
             check_text_chars(state, len(req.prompt), "prompt")
-            tokens = list(await run_in_threadpool(tokenizer.encode, req.prompt, add_special))
+            tokens = list(await tokenize_off_loop(tokenizer.encode, req.prompt, add_special))
         else:
             raise ParamError("either prompt or messages is required", param="prompt")
     except ParamError as exc:
