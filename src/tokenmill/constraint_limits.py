@@ -232,15 +232,17 @@ def check_regex(pattern: str, limits: ConstraintLimits = DEFAULT_LIMITS, what: s
         raise ConstraintTooLarge(
             f"{what} is {len(pattern)} characters, over the limit of {limits.max_regex_bytes}"
         )
-    nesting, repetition = _group_measure(pattern, "(", ")", regex=True)
-    if nesting > limits.max_regex_nesting:
-        raise ConstraintTooLarge(
-            f"{what} nests groups {nesting} deep, over the limit of {limits.max_regex_nesting}"
-        )
-    if repetition > limits.max_repetition:
+    _check_groups(pattern, True, limits.max_regex_nesting, limits.max_repetition, what)
+
+
+def _check_groups(text: str, regex: bool, max_nesting: int, max_repetition: int, what: str) -> None:
+    nesting, repetition = _group_measure(text, "(" if regex else "([", ")" if regex else ")]", regex)
+    if nesting > max_nesting:
+        raise ConstraintTooLarge(f"{what} nests groups {nesting} deep, over the limit of {max_nesting}")
+    if repetition > max_repetition:
         raise ConstraintTooLarge(
             f"{what} repeats {repetition} times through nested counted repetitions, over the limit of "
-            f"{limits.max_repetition}"
+            f"{max_repetition}"
         )
 
 
@@ -372,15 +374,9 @@ def check_grammar(grammar: str, limits: ConstraintLimits = DEFAULT_LIMITS) -> No
     edges: list[list[int]] = [[] for _ in names]
     for name, lines in rules.items():
         body = "\n".join(lines)
-        nesting, repetition = _group_measure(body, "([", ")]", regex=False)
-        if nesting > limits.max_grammar_nesting:
-            raise ConstraintTooLarge(
-                f"the grammar's rule {name} nests {nesting} deep, over the limit of {limits.max_grammar_nesting}"
-            )
-        if repetition > limits.max_repetition:
-            raise ConstraintTooLarge(
-                f"the grammar's rule {name} repeats {repetition} times, over the limit of {limits.max_repetition}"
-            )
+        _check_groups(
+            body, False, limits.max_grammar_nesting, limits.max_repetition, f"the grammar's rule {name}"
+        )
         for kind, token in _lark_tokens(body):
             if kind == "regex":
                 check_regex(token, limits, what=f"a regex of the grammar's rule {name}")

@@ -142,7 +142,7 @@ def test_grammar_limits() -> None:
         check_grammar(
             "start: a\n" + "\n".join(f'x{i}: "x"' for i in range(60)), ConstraintLimits(max_grammar_rules=50)
         )
-    with pytest.raises(ConstraintTooLarge, match="nests 100 deep"):
+    with pytest.raises(ConstraintTooLarge, match="nests groups 100 deep"):
         check_grammar("start: " + "(" * 100 + '"a"' + ")" * 100)
     with pytest.raises(ConstraintTooLarge, match="repeats 1000000 times"):
         check_grammar('start: (("a" ~ 100) ~ 100) ~ 100')
