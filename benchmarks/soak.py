@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  server RSS: start {rss_start:.0f} MB, after 100 large schemas {rss_schemas:.0f} MB, end {rss_end:.0f} MB"
     )
+    print("  RSS every tenth of the soak (MB): " + " ".join(f"{x:.0f}" for x in samples))
     return 0 if num_5xx == 0 and running == 0 and health == 200 else 1
 
 
