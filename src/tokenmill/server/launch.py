@@ -135,7 +135,7 @@ def _add_limit_arguments(s: Any) -> None:
     s.add_argument(
         "--max-connections-per-client",
         type=int,
-        default=128,
+        default=256,
         help="open connections from one client address beyond this are answered 503 and closed, counted before "
         "the API key is checked (0: no per-client limit, e.g. behind a proxy that is the only client)",
     )
