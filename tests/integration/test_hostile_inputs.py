@@ -309,6 +309,10 @@ def test_preparing_a_prompt_past_its_time_budget_is_abandoned(
 
 
 def test_a_lone_surrogate_in_the_path_is_a_4xx(client: httpx.AsyncClient) -> None:
-    for path in ("/v1/responses/%ED%A0%80", "/v1/responses/resp_%ED%A0%80/input_items", "/v1/models/%ED%A0%80"):
+    for path in (
+        "/v1/responses/%ED%A0%80",
+        "/v1/responses/resp_%ED%A0%80/input_items",
+        "/v1/models/%ED%A0%80",
+    ):
         r = asyncio.run(client.get(path))
         assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:200])
