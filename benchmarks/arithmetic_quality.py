@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.int8_quality import leading_match
 from tokenmill.engine import Engine
 from tokenmill.sampling_params import SamplingParams
 
@@ -110,15 +111,6 @@ def greedy(engine: Engine, max_tokens: int) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in engine.generate(prompts, params)]
 
 
-def leading(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def measure(model: str | None, texts: dict[str, str], args: argparse.Namespace) -> dict[str, object]:
     row: dict[str, object] = {"model": model or "embedded"}
     engines = {
@@ -141,7 +133,7 @@ def measure(model: str | None, texts: dict[str, str], args: argparse.Namespace) 
         f"{sum(a == b for a, b in zip(outs['gguf'], outs['gguf-q8']))}/{len(CHAT_PROMPTS)}"
     )
     row["greedy leading tokens (mean)"] = round(
-        statistics.fmean(leading(a, b) for a, b in zip(outs["gguf"], outs["gguf-q8"])), 1
+        statistics.fmean(leading_match(a, b) for a, b in zip(outs["gguf"], outs["gguf-q8"])), 1
     )
     rises = [v for k, v in row.items() if k.endswith("rise %")]
     agreements = [v for k, v in row.items() if k.endswith("agreement %")]
