@@ -106,7 +106,10 @@ def scored(engine: Engine, chunks: list[list[int]]) -> tuple[list[float], list[i
 
 
 def greedy(engine: Engine, max_tokens: int) -> list[list[int]]:
-    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    try:
+        prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    except ValueError:  # a base model without a chat template: the prompts as plain text
+        prompts = [engine.tokenizer.encode(p) for p in CHAT_PROMPTS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     return [list(out.outputs[0].token_ids) for out in engine.generate(prompts, params)]
 
