@@ -112,9 +112,16 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
 async def _stored(request: Request, response_id: str) -> StoredResponse | None:
     """The stored response if this request's API key stored it (off the event loop: the store may be a file
     or a server); a store that fails is a 503 saying so."""
-    store = get_state(request).response_store
+    stored: StoredResponse | None = await _in_store(request, "get", response_id)
+    return stored
+
+
+async def _in_store(request: Request, operation: str, response_id: str) -> Any:
+    """``store.get`` or ``store.delete`` for this request's key, off the event loop (the store may be a file
+    or a server); a store that fails is a 503 saying so."""
+    method = getattr(get_state(request).response_store, operation)
     try:
-        return await run_in_threadpool(store.get, response_id, key_owner(request))
+        return await run_in_threadpool(method, response_id, key_owner(request))
     except ResponseStoreError as exc:
         raise ApiError(
             503, f"the response store failed: {exc}", type="server_error", code="response_store_error"
@@ -181,14 +188,7 @@ def _listed_item(item: dict[str, Any], response_id: str, index: int) -> dict[str
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
     _refuse_query(request)
-    store = get_state(request).response_store
-    try:
-        deleted = await run_in_threadpool(store.delete, response_id, key_owner(request))
-    except ResponseStoreError as exc:
-        raise ApiError(
-            503, f"the response store failed: {exc}", type="server_error", code="response_store_error"
-        ) from None
-    if not deleted:
+    if not await _in_store(request, "delete", response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
