@@ -1,6 +1,6 @@
 # Thin wrappers: each target does its own set-up (scripts/setup.sh is idempotent).
 PY := .venv/bin/python
-PROMPT ?= What is the capital of France?
+PROMPT ?= What is the largest ocean on Earth?
 
 .PHONY: setup chat serve test test-slow lint bench
 

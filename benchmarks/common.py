@@ -42,6 +42,7 @@ class Runner:
     note = ""  # one line for the table's footnotes
     weight_bytes = 4.0  # bytes per weight and per KV element, for this engine's lower bound
     kv_bytes = 4.0
+    integer_arithmetic = False  # its matmuls run on integer dot products: bounded by the integer peak
 
     def unavailable(self) -> str | None:
         return None

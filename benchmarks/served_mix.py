@@ -6,7 +6,7 @@
 The workload of issue 25: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
 output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
 same number of tokens. tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
-HTTP) on its exact default path (``--quantizations gguf,gguf-q8`` adds the 8-bit-activation path); llama.cpp
+HTTP) on its default arithmetic (``--quantizations default,gguf`` adds the exact path); llama.cpp
 through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each request a ``/completion`` call with the
 token ids as the prompt, all in flight together); with ``--vllm-python``, vLLM's CPU backend through
 ``LLM.generate`` in its own virtualenv on an HF export of the same file (``benchmarks/vllm_peer.py``; dtype bf16
@@ -125,8 +125,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantizations",
-        default="gguf",
-        help="tokenmill's runs, comma-separated (gguf: the exact default path; gguf-q8: llama.cpp's arithmetic)",
+        default="default",
+        help="tokenmill's runs, comma-separated: default (the arithmetic model/arithmetic.py chooses), gguf (the "
+        "exact path), gguf-q8 (llama.cpp's arithmetic)",
     )
     args = parser.parse_args()
 
@@ -144,7 +145,8 @@ def main() -> None:
     )
     times_s = {}
     for quantization in args.quantizations.split(","):
-        times_s[quantization] = tm = run_tokenmill(gguf, requests, quantization=quantization)
+        asked = None if quantization == "default" else quantization
+        times_s[quantization] = tm = run_tokenmill(gguf, requests, quantization=asked)
         print(f"tokenmill ({quantization}): {tm:.1f} s ({num_out / tm:.1f} output tok/s)", flush=True)
     if args.llama_server:
         ls = run_llama_server(args.llama_server, gguf, requests, args.parallel)

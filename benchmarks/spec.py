@@ -198,7 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=192)
-    parser.add_argument("--quantization", default=None, help="the engine's (default: gguf, the exact path)")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="the engine's (default: the model's default arithmetic, model/arithmetic.py)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,

@@ -81,10 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "computes from its blocks); '' for none",
     )
     parser.add_argument(
-        "--q8-cases",
+        "--exact-cases",
         default="b,c,d",
-        help="cases also run with quantization='gguf-q8' (the blocks times activations rounded to 8 bits, "
-        "llama.cpp's arithmetic, beside the default's exact fp32 activations); '' for none",
+        help="cases also run with quantization='gguf' (the exact path: fp32 activations times the blocks' exact "
+        "values, beside the default, llama.cpp's arithmetic where model/arithmetic.py chooses it); '' for none",
     )
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
     parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead probe")
@@ -122,7 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.fp32_case_list = (
         _split(args.fp32_cases, workloads.ALL_CASES, "--fp32-cases") if args.fp32_cases else []
     )
-    args.q8_case_list = _split(args.q8_cases, workloads.ALL_CASES, "--q8-cases") if args.q8_cases else []
+    args.exact_case_list = (
+        _split(args.exact_cases, workloads.ALL_CASES, "--exact-cases") if args.exact_cases else []
+    )
     return args
 
 
@@ -182,17 +184,15 @@ class Suite:
         caching = {"enable_prefix_caching": getattr(self.args, "enable_prefix_caching", True)}
         tm = TokenmillRunner(self.device, self.dtype, self.num_threads, model=model, **caching)
         out.append((self._with_bytes(tm, wb, wb), self.args.case_list))
-        q8_cases = [c for c in self.args.case_list if c in self.args.q8_case_list]
-        if q8_cases and self.device == "cpu":  # the GGUF blocks' kernels are CPU-only
-            q8 = TokenmillRunner(
-                self.device, self.dtype, self.num_threads, quantization="gguf-q8", model=model, **caching
+        exact_cases = [c for c in self.args.case_list if c in self.args.exact_case_list]
+        if exact_cases and self.device == "cpu":  # the GGUF blocks' kernels are CPU-only
+            exact = TokenmillRunner(
+                self.device, self.dtype, self.num_threads, quantization="gguf", model=model, **caching
             )
-            # integer dot products are not bound by the fp32 matmul peak: its "% limit" can pass 100%
-            q8.note = (
-                f"tokenmill LLM.generate, {self.dtype} activations rounded to 8 bits for the 4-bit blocks "
-                "(% limit against fp32 arithmetic)"
+            exact.note = (
+                f"tokenmill LLM.generate, the exact path ({self.dtype} activations, the blocks' values)"
             )
-            out.append((self._with_bytes(q8, wb, wb), q8_cases))
+            out.append((self._with_bytes(exact, wb, wb), exact_cases))
         fp32_cases = [c for c in self.args.case_list if c in self.args.fp32_case_list]
         if fp32_cases:
             f = TokenmillRunner(
@@ -283,7 +283,9 @@ class Suite:
                 runner.weight_bytes = loaded.weight_bytes / (
                     self.shape.matmul_params + self.shape.lm_head_params
                 )
-            runner.note += f"; {loaded.describe_weights()}"
+            # integer dot products: "% limit" against the integer peak, the limit of that arithmetic
+            runner.integer_arithmetic = loaded.quantization in ("gguf-q8", "gguf-q4")
+            runner.note += f"; {loaded.describe_weights()}; {loaded.describe_arithmetic()}"
         if isinstance(runner, LlamaCppRunner):
             # It reads the file's blocks as stored (Q4_1 and the rest): bytes per weight of the file.
             runner.weight_bytes = self.gguf.stat().st_size / (
@@ -308,6 +310,7 @@ class Suite:
                     result.status = f"error: {wrong} requests got the wrong number of tokens"
             result.extra["weight_bytes"] = runner.weight_bytes
             result.extra["kv_bytes"] = runner.kv_bytes
+            result.extra["integer_arithmetic"] = runner.integer_arithmetic
             self.results.append(result)
             _log(
                 f"[{runner.name}] ({case}) {result.status}"
@@ -345,8 +348,11 @@ class Suite:
             if wb is None or kvb is None:
                 continue
             w = self.cases[r.case]
+            peak = limits.peak_flops
+            if r.extra.get("integer_arithmetic") and limits.peak_int_ops:
+                peak = limits.peak_int_ops
             bound = workload_bound(
-                self.shape, w.prompt_lens, w.max_tokens, limits.peak_flops, limits.peak_read_bw, wb, kvb
+                self.shape, w.prompt_lens, w.max_tokens, peak, limits.peak_read_bw, wb, kvb
             )
             r.extra["limit_s"] = bound.time_s
             r.extra["limited_by"] = bound.limited_by

@@ -96,6 +96,7 @@ def _run_info(args: argparse.Namespace) -> int:
             "quantization": loaded.quantization,
             "weight_bytes": loaded.weight_bytes,
             "summary": loaded.describe_weights(),
+            "arithmetic": loaded.describe_arithmetic(),
             "weight_breakdown_bytes": weight_breakdown(loaded.model),
             "compute": loaded.model.compute_backend().describe(),
         }

@@ -13,15 +13,17 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 # ... and offline (LLM), where only throughput counts, as vLLM gives its LLM class a larger budget than its
 # server. Case (b) of the suite on 2 AVX2 cores: 20.4 s at 512, 19.3 s at 1,024 and 2,048, 20.2 s at 4,096.
 OFFLINE_BATCHED_TOKENS = 2048
-# EngineConfig.quantization (model/loader.py applies it). None: "gguf" for a quantized GGUF on CPU in fp32 with
-# the C++ kernels, else the weights in the dtype; "gguf": GGUF blocks kept quantized (model/gguf_blocks.py), fp32
-# arithmetic on their exact values; "gguf-q8": the same blocks, 4-bit ones multiplied by activations rounded to 8
-# bits per 32 (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with the projections' blocks rounded to 4 bits
+# EngineConfig.quantization (model/loader.py applies it). None: for a quantized GGUF on CPU in fp32 with the C++
+# kernels, the arithmetic model/arithmetic.py chooses for that file ("gguf-q8" where measured quality allows, and
+# for files not measured; "gguf" where not), else the weights in the dtype; "gguf": GGUF blocks kept quantized
+# (model/gguf_blocks.py), the exact path: fp32 arithmetic on their exact values; "gguf-q8": the same blocks times
+# activations rounded to 8 bits per 32 with integer dot products (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with the projections' blocks rounded to 4 bits
 # with a min per 32 at load (approximate weights, the fewest bytes a token: a speculative draft's default);
 # "fp32": a GGUF dequantized at load (a no-op for a directory); "int8": weight-only int8 made from the
 # dequantized weights (model/quant.py).
 QUANTIZATIONS = ("gguf", "gguf-q8", "gguf-q4", "fp32", "int8")
 _RESERVE_CHOICES = ("none", "worst_case")
+HARDWARE_LIMIT_MODES = (None, "none", "cached", "measure")  # or "GFLOPS,GBS"
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,9 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None
     num_threads: int | None = None
+    # on CPU, drop to one thread fewer while that decodes faster (a neighbour holding a core) and back when it
+    # stops (worker/thread_governor.py); False: num_threads always
+    adaptive_threads: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and cache_salt) repeat
     # sampling defaults for fields a request leaves unset: "auto" (the model's generation_config.json, else
     # tokenmill's sampled defaults), "none" (SamplingParams' own), or a directory with a generation_config.json
@@ -203,8 +208,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # speculative decoding (None: off): a SpeculativeConfig or vLLM's dict, {"method": "ngram", ...}
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
-    # the machine's limits for each step's roofline fraction (tokenmill.roofline): None (off), "measure" (at
-    # start, as the suite measures them), or "GFLOPS,GBS"
+    # the machine's limits for each step's roofline fraction (tokenmill.roofline): None or "none" (off), "cached"
+    # (measured once per machine and kept in the cache directory, model/hardware_cache.py: the server's default),
+    # "measure" (now, and cached), or "GFLOPS,GBS"
     hardware_limits: str | None = None
 
     def __post_init__(self) -> None:
@@ -233,7 +239,7 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.hardware_limits not in (None, "measure"):
+        if self.hardware_limits not in HARDWARE_LIMIT_MODES:
             parse_hardware_limits(self.hardware_limits)  # ValueError now, not at load
         if self.tensor_parallel_size > 1 and self.quantization not in (None, "fp32"):
             raise ValueError(
@@ -255,7 +261,9 @@ def parse_hardware_limits(text: str) -> tuple[float, float]:
     try:
         gflops, gbs = (float(p) for p in text.split(","))
     except ValueError:
-        raise ValueError(f"hardware_limits is 'measure' or GFLOPS,GBS (e.g. 250,30), got {text!r}") from None
+        raise ValueError(
+            f"hardware_limits is 'cached', 'measure', 'none' or GFLOPS,GBS (e.g. 250,30), got {text!r}"
+        ) from None
     if not (gflops > 0 and gbs > 0):
         raise ValueError(f"hardware_limits: both limits must be positive, got {text!r}")
     return gflops * 1e9, gbs * 1e9

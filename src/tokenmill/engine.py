@@ -41,6 +41,7 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.roofline import MachineLimits, StepRoofline, step_kind
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
+from tokenmill.worker.thread_governor import ThreadGovernor
 
 Prompt = str | Sequence[int]
 Prompts = Prompt | Sequence[Prompt]  # one prompt or several
@@ -111,6 +112,8 @@ class Engine:
 
         self.generation_defaults = resolve(config.generation_config, loaded.source)
         self.model_name = _model_name(loaded.source)
+        self.quantization = loaded.quantization
+        self.arithmetic = loaded.describe_arithmetic()  # which arithmetic runs and why (model/arithmetic.py)
         self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
         # An embedding model (an encoder, model/encoder.py): prompts are pooled, not continued; no KV is kept.
         self.is_pooling = bool(getattr(loaded.model, "is_encoder", False))
@@ -146,6 +149,7 @@ class Engine:
             )
         self.stats = EngineStats()
         self.roofline = self._build_roofline()
+        self.thread_governor, self._governor_roofline = self._build_thread_governor()
         self._pending_finished: list[Request] = []  # aborted between steps; reported by the next step
         self._announced: set[str] = set()  # requests that have had a delta (prompt logprobs go in the first)
         self._ids = itertools.count()
@@ -219,20 +223,46 @@ class Engine:
         import torch
 
         spec = self.config.hardware_limits
-        if spec is None or self.is_pooling:
+        if spec in (None, "none") or self.is_pooling:
             return None
         shape = ModelShape.from_config(self.loaded.config)
-        if spec == "measure":
+        if spec in ("cached", "measure") and self.loaded.device.type == "cpu":
+            from tokenmill.model.hardware_cache import machine_limits
+
+            measured, source = machine_limits(refresh=spec == "measure")
+            limits = MachineLimits(measured.peak_flops, measured.peak_read_bw, source, measured.peak_int_ops)
+        elif spec in ("cached", "measure"):
             from tokenmill.model import hardware
 
             measured = hardware.measure_model(shape, self.loaded.device, torch.float32, quick=True)
             limits = MachineLimits(measured.peak_flops, measured.peak_read_bw, "measured at start")
         else:
             limits = MachineLimits.parse(spec)
+        if self.loaded.quantization in ("gguf-q8", "gguf-q4"):
+            limits = limits.for_integer_matmuls()
         weight_bytes = self.loaded.weight_bytes / (shape.matmul_params + shape.lm_head_params)
         kv_bytes = torch.empty((), dtype=self.loaded.dtype).element_size()
         logger.info("roofline: %s", limits.describe())
         return StepRoofline(shape, limits, weight_bytes, kv_bytes)
+
+    def _build_thread_governor(self) -> tuple[ThreadGovernor | None, StepRoofline | None]:
+        """On CPU with 2 threads or more (and no tensor parallelism): the governor of the forward's thread count,
+        and the roofline it weighs steps with (the engine's, else one at nominal limits: it compares steps with
+        each other, not with the machine)."""
+        import torch
+
+        max_threads = torch.get_num_threads()
+        cpu_alone = self.loaded.device.type == "cpu" and self.config.tensor_parallel_size == 1
+        if not (self.config.adaptive_threads and cpu_alone and max_threads >= 2) or self.is_pooling:
+            return None, None
+        shape = ModelShape.from_config(self.loaded.config)
+        roofline = self.roofline or StepRoofline(
+            shape,
+            MachineLimits(100e9, 20e9, "nominal"),
+            self.loaded.weight_bytes / (shape.matmul_params + shape.lm_head_params),
+            torch.empty((), dtype=self.loaded.dtype).element_size(),
+        )
+        return ThreadGovernor(max_threads, torch.set_num_threads), roofline
 
     def _load_draft(self) -> Any:
         """Speculative decoding's draft model (method "draft_model"), refused unless its vocabulary is the target's."""
@@ -470,6 +500,10 @@ class Engine:
             kind, bound_s = step_kind(scheduler_output.rows), self.roofline.bound_s(scheduler_output.rows)
             self.stats.add_roofline(kind, bound_s, step_s)
             result.roofline_kind, result.roofline_fraction = kind, bound_s / step_s
+        if self.thread_governor is not None and self._governor_roofline is not None and scheduler_output.rows:
+            rows = scheduler_output.rows
+            bound_s = self._governor_roofline.bound_s(rows)
+            self.thread_governor.observe(step_kind(rows), bound_s, time.perf_counter() - start_s)
         return result
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:

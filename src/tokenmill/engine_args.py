@@ -34,12 +34,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="gguf: compute from a GGUF's quantized blocks (the default for one on CPU); gguf-q8: the same, 4-bit "
-        "blocks times activations rounded to 8 bits (llama.cpp's arithmetic, faster); gguf-q4: as gguf-q8 with "
+        help="for a GGUF on CPU the default is gguf-q8 where measured quality allows (`tokenmill info --load` "
+        "says which and why); gguf: the exact path, fp32 activations times the quantized blocks' exact values; "
+        "gguf-q8: the same blocks times activations rounded to 8 bits per 32, integer dot products (llama.cpp's "
+        "arithmetic, faster); gguf-q4: as gguf-q8 with "
         "the projections rounded to 4 bits at load (approximate, fewest bytes: a draft's default); fp32: dequantize them "
         "at load; int8: weight-only int8 from the fp32 weights",
     )
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CPU, run with one thread fewer while that decodes faster (another process holding a core) "
+        "and go back when it stops (on by default; --no-adaptive-threads: always --num-threads)",
+    )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -71,11 +80,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--hardware-limits",
-        default=None,
-        metavar="measure|GFLOPS,GBS",
+        default="cached",
+        metavar="cached|measure|none|GFLOPS,GBS",
         help="the machine's limits, for each step's fraction of them (tokenmill:step_roofline_fraction): "
-        "'measure' them at start (a few seconds: matmul at the model's shapes, read bandwidth) or give them, "
-        "e.g. 250,30 (off by default)",
+        "'cached' (the default: measured once per machine in a few seconds, fp32 matmul, integer dot product, "
+        "read bandwidth, and kept in the cache directory), 'measure' them again now, 'none' (off), or give "
+        "them, e.g. 250,30",
     )
 
 
@@ -103,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         reserve=args.reserve,
         quantization=args.quantization,
         num_threads=args.num_threads,
+        adaptive_threads=getattr(args, "adaptive_threads", True),
         seed=args.engine_seed,
         enable_prefix_caching=args.enable_prefix_caching,
         generation_config=args.generation_config,

@@ -4,9 +4,10 @@ from the model's shapes and the batch) at the machine's peaks, over the step's w
 ``bound_s = max(flops / peak_flops, bytes / peak_read_bw)`` is the least time any engine could take for the
 step's work on this machine; ``fraction = bound_s / step_s`` says how close this one came (1 is the limit).
 Steps are split by kind: ``decode`` (every row computes its next token), ``prefill`` (every row a prompt or a
-chunk of one) and ``mixed``. The limits are measured at start (``--hardware-limits measure``: matmul FLOP/s at
-the model's shapes and read bandwidth, as the suite measures them, ``model/hardware.py``) or given
-(``--hardware-limits GFLOPS,GBS``).
+chunk of one) and ``mixed``. The limits are measured once per machine and cached (``--hardware-limits cached``,
+the server's default, ``model/hardware_cache.py``: fp32 matmul FLOP/s, the integer dot product's ops/s and read
+bandwidth), measured again (``measure``) or given (``--hardware-limits GFLOPS,GBS``). A model on llama.cpp's
+arithmetic (``gguf-q8``) is bounded by the integer peak.
 """
 
 from __future__ import annotations
@@ -26,14 +27,26 @@ class MachineLimits:
     peak_flops: float  # FLOP/s
     peak_read_bw: float  # bytes/s
     source: str = "given"
+    peak_int_ops: float | None = None  # the 8-bit-activation kernels' integer dot product, ops/s (CPU)
 
     @classmethod
     def parse(cls, text: str) -> MachineLimits:
         """``"250,30"``: 250 GFLOP/s and 30 GB/s."""
         return cls(*parse_hardware_limits(text), "given")
 
+    def for_integer_matmuls(self) -> MachineLimits:
+        """The limits of a model whose projections run on integer dot products (``gguf-q8``): their peak is the
+        compute limit (every FLOP of the step at it: the attention's few fp32 ones too, which keeps the bound a
+        bound). Unchanged where no integer peak was measured."""
+        if not self.peak_int_ops:
+            return self
+        return MachineLimits(self.peak_int_ops, self.peak_read_bw, f"{self.source}; integer peak", None)
+
     def describe(self) -> str:
-        return f"{self.peak_flops / 1e9:.1f} GFLOP/s, {self.peak_read_bw / 1e9:.1f} GB/s ({self.source})"
+        text = f"{self.peak_flops / 1e9:.1f} GFLOP/s, {self.peak_read_bw / 1e9:.1f} GB/s"
+        if self.peak_int_ops:
+            text += f", integer {self.peak_int_ops / 1e9:.1f} GOP/s"
+        return f"{text} ({self.source})"
 
 
 def step_kind(rows: Sequence[Any]) -> str:

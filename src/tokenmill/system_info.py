@@ -57,6 +57,8 @@ def render(info: dict[str, Any], as_json: bool = False) -> str:
     ]
     if "model" in info:
         lines.append(f"model: {info['model']['source']}: {info['model']['summary']}")
+        if info["model"].get("arithmetic"):
+            lines.append(info["model"]["arithmetic"])
         compute = info["model"].get("compute") or {}
         if compute:
             lines.append("compute: " + ", ".join(f"{key} {value}" for key, value in compute.items()))

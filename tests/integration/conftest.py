@@ -7,10 +7,11 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedded_loaded():
-    """The embedded SmolLM2-135M-Instruct as a LoadedModel (CPU, fp32 activations; its GGUF blocks kept, the default)."""
+    """The embedded SmolLM2-135M-Instruct as a LoadedModel on the exact path (``quantization="gguf"``: its GGUF
+    blocks kept, fp32 activations), named because the tests that compare with transformers need it."""
     from tokenmill.model.loader import load_model
 
-    return load_model(None, device="cpu")
+    return load_model(None, device="cpu", quantization="gguf")
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,7 @@ def test_gemma3_gguf_blocks_equal_the_file_dequantized(embedded_tokenizer_fields
     hf_model = build_gemma3(seed=1)
     path = tmp_path / "gemma3-q8_0.gguf"
     write_family_gguf(hf_model, "gemma3", path, embedded_tokenizer_fields, quantize="Q8_0")
-    kept = load_model(str(path), device="cpu")
+    kept = load_model(str(path), device="cpu", quantization="gguf")
     dequantized = load_model(str(path), device="cpu", quantization="fp32")
     assert kept.quantization == "gguf"
     batch = dict(enumerate(prompts([5, 18, 30], seed=4)))
@@ -105,7 +105,7 @@ def test_gemma3_270m_greedy_equals_transformers_on_the_same_file() -> None:
     from tokenmill.sampling_params import SamplingParams
 
     path = models.pull("gemma-3-270m", progress=False, log=lambda s: None)
-    loaded = load_model(str(path), device="cpu")
+    loaded = load_model(str(path), device="cpu", quantization="gguf")  # the exact path, to compare
     assert loaded.quantization == "gguf" and loaded.config.model_type == "gemma3"
     assert loaded.config.vocab_size == 262144 and loaded.config.head_dim == 256
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

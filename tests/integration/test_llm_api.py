@@ -68,20 +68,20 @@ def test_cli_chat_streams_an_answer():
             "-m",
             "tokenmill.cli",
             "chat",
-            "What is the capital of France?",
+            "What is the largest ocean on Earth?",
             "--max-tokens",
             "24",
             "--num-kv-blocks",
             "64",
             "--temperature",
-            "0",  # the 135M's sampled answer says Paris for about 60% of seeds; its greedy one does
+            "0",  # greedy: the 135M says Pacific on both arithmetics
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
+    assert "Pacific" in proc.stdout
 
 
 def test_cli_reports_bad_input_cleanly():

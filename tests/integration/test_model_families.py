@@ -377,11 +377,11 @@ def test_gguf_of_each_family_matches_its_safetensors(
     text = "The capital of France is Paris."
     assert from_gguf.tokenizer.encode(text) == from_dir.tokenizer.encode(text)
     assert_flat_batch_matches(from_gguf.model, from_gguf.config, hf_model, batch, block_size=4)
-    # the same file with Q8_0 projections: kept as blocks by default, equal to the file dequantized
+    # the same file with Q8_0 projections: kept as blocks on the exact path, equal to the file dequantized
     q8_path = tmp_path / f"{family}-q8_0.gguf"
     write_family_gguf(hf_model, family, q8_path, embedded_tokenizer_fields, quantize="Q8_0")
     kept, dequantized = (
-        load_model(str(q8_path), device="cpu"),
+        load_model(str(q8_path), device="cpu", quantization="gguf"),
         load_model(str(q8_path), device="cpu", quantization="fp32"),
     )
     assert kept.quantization == "gguf"

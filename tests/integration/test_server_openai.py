@@ -26,9 +26,12 @@ def launched() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def reference(make_engine: Any, launched: ServerProcess) -> Any:
-    """The offline engine over the same model (the ``LLM.generate`` path), loaded while the server boots."""
-    return make_engine(max_model_len=512)
+def reference(launched: ServerProcess) -> Any:
+    """The offline engine over the same model on the server's default arithmetic (the ``LLM.generate`` path),
+    loaded while the server boots."""
+    from tokenmill.engine import Engine
+
+    return Engine(model=None, device="cpu", num_kv_blocks=256, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,12 @@ def test_models_lists_the_served_model(server: ServerProcess, model: str) -> Non
     assert body["object"] == "list"
     assert body["data"][0]["id"] == model == "SmolLM2-135M-Instruct"
     assert body["data"][0]["max_model_len"] == 512
+    card = body["data"][0]
+    assert card["quantization"] in ("gguf", "gguf-q8")  # the arithmetic that runs, and why
+    assert (
+        card["arithmetic"].startswith(f"arithmetic {card['quantization']} (")
+        and "measured on" in card["arithmetic"]
+    )
 
 
 def test_greedy_completion_equals_offline_generate(client: openai.OpenAI, model: str, reference: Any) -> None:
@@ -303,3 +312,17 @@ def test_unset_sampling_fields_take_the_model_defaults(client: openai.OpenAI, mo
         **base, temperature=1.0, top_p=1.0, extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
     )
     assert plain.choices[0].message.content != unset.choices[0].message.content  # seeded: deterministic
+
+
+def test_metrics_carry_the_step_roofline_by_default(
+    client: openai.OpenAI, model: str, server: ServerProcess
+) -> None:
+    """The server starts with the machine's limits (measured once, cached): every step is observed against them."""
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    counts = {
+        line.split("kind=")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tokenmill:step_roofline_fraction_count")
+    }
+    assert counts.get("decode", 0) >= 3 and counts.get("prefill", 0) + counts.get("mixed", 0) >= 1

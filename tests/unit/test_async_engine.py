@@ -50,6 +50,8 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = 64
         self.model_name = "fake"
+        self.quantization = None
+        self.arithmetic = "fake arithmetic"
         self.clock = time.perf_counter
         self.max_num_seqs = max_num_seqs
         self.step_s = step_s

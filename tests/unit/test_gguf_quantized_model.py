@@ -135,9 +135,10 @@ PROMPTS = [[3, 7, 1, 9, 30], [5] * 13, [40, 41, 42]]
 
 
 def kept_and_twin(path: Path, types: dict[str, str]) -> tuple[LoadedModel, LoadedModel]:
-    """A tiny GGUF of ``types`` loaded with its blocks kept, and dequantized at load (the reference)."""
+    """A tiny GGUF of ``types`` loaded with its blocks kept on the exact path, and dequantized at load (the
+    reference)."""
     write_gguf(path, types)
-    kept = load_model(str(path), device="cpu")
+    kept = load_model(str(path), device="cpu", quantization="gguf")
     assert kept.quantization == "gguf"
     return kept, load_model(str(path), device="cpu", quantization="fp32")
 
@@ -240,7 +241,7 @@ def test_gguf_q4_rounds_every_type_to_4_bits(kernel_variant, tmp_path: Path) -> 
 def test_tied_head_shares_the_embedding_bytes(tmp_path: Path) -> None:
     path = tmp_path / "tiny-tied.gguf"
     write_gguf(path, TYPES, tied=True)
-    kept = load_model(str(path), device="cpu")
+    kept = load_model(str(path), device="cpu", quantization="gguf")
     embed, head = kept.model.model.embed_tokens, kept.model.lm_head
     assert isinstance(head, QuantizedLinear) and head.data.data_ptr() == embed.data.data_ptr()
     twin = load_model(str(path), device="cpu", quantization="fp32")
@@ -253,7 +254,7 @@ def test_a_dense_part_makes_its_fused_projection_dense(tmp_path: Path) -> None:
     """q in F16 next to Q4_K k and v: the fused qkv is one fp32 matrix (exact, only larger); the rest stays kept."""
     path = tmp_path / "tiny-f16q.gguf"
     write_gguf(path, {**TYPES, "attn_q": "F16"})
-    kept = load_model(str(path), device="cpu")
+    kept = load_model(str(path), device="cpu", quantization="gguf")
     layer = kept.model.model.layers[0]
     assert not isinstance(layer.self_attn.qkv_proj, QuantizedLinear)
     assert isinstance(layer.self_attn.o_proj, QuantizedLinear)

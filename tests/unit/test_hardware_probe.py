@@ -35,3 +35,46 @@ def test_probe_is_twice_the_cache_within_bounds() -> None:
     assert bandwidth_probe_bytes(cpu, None) == 256 << 20
     assert bandwidth_probe_bytes(cpu, 8 << 30) == 4 << 30  # capped
     assert bandwidth_probe_bytes(torch.device("cuda"), 480 << 20) == 2 << 30
+
+
+def test_the_integer_peak_loop_computes_what_it_claims() -> None:
+    """Each accumulator starts at its index and adds quads whose products cancel (codes in equal pairs, activations
+    +1 and -1): the checksum is threads x lanes x (0 + 1 + ... + 11) on every variant, whatever the timing."""
+    from tokenmill.model.cpu import kernels as k
+
+    for variant in ("avx512", "avx2", "base"):
+        if variant not in k.kv.runnable_variants(k.loaded().cpu_flags):
+            continue
+        module = k.load_variant(variant)
+        lanes = {"avx512": 16, "avx2": 8, "base": 4}[variant]
+        assert module.qdot_peak_ops_per_iter() == 12 * lanes * 4 * 2
+        for threads in (1, 2, 3):
+            assert module.qdot_peak(1000, threads) == threads * lanes * sum(range(12))
+
+
+def test_machine_limits_are_measured_once_and_read_after(tmp_path: Path, monkeypatch) -> None:
+    from tokenmill.model import hardware_cache
+    from tokenmill.model.hardware import HardwareLimits, MatmulPoint
+
+    calls = []
+
+    def fake_measure(*args, **kwargs) -> HardwareLimits:
+        calls.append(args)
+        return HardwareLimits("cpu", "float32", 2, 100e9, 20e9, [MatmulPoint("up", 1024, 1536, 8960, 100.0)],
+                              {"sum": 20e9}, 1 << 28, None, 400e9, "vpdpbusd")  # fmt: skip
+
+    monkeypatch.setattr(hardware_cache, "measure", fake_measure)
+    first, source = hardware_cache.machine_limits(tmp_path)
+    assert len(calls) == 1 and source.startswith("measured in") and "cached in" in source
+    again, source = hardware_cache.machine_limits(tmp_path)
+    assert len(calls) == 1 and source.startswith("cached in") and again == first
+    hardware_cache.machine_limits(tmp_path, refresh=True)
+    assert len(calls) == 2
+    (path,) = (tmp_path / "hardware").glob("limits-*.json")
+    path.write_text("{not json")  # damaged: measured again, never fatal
+    hardware_cache.machine_limits(tmp_path)
+    assert len(calls) == 3
+    key = hardware_cache.machine_key()
+    assert (
+        hardware_cache.read(path, {**key, "num_threads": key["num_threads"] + 1}) is None
+    )  # another machine

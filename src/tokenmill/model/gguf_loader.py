@@ -333,6 +333,17 @@ class GGUFFile:
             types = sorted({t.tensor_type.name for t in self.reader().tensors})
         return [t for t in types if t in QUANTIZED_TYPES]
 
+    def default_arithmetic(self, kernel_variant: str | None) -> Any:
+        """``model/arithmetic.py``'s choice for this file (a :class:`~tokenmill.model.arithmetic.Choice`)."""
+        from tokenmill.model.arithmetic import choose
+
+        def text(key: str) -> str:
+            field = self.fields.get(key)
+            return "" if field is None else str(field.contents())
+
+        size = self.path.stat().st_size
+        return choose(text("general.architecture"), text("general.name"), size, kernel_variant)
+
     def load_quantized_model(
         self, int8_activations: bool = False, requantize: bool = False
     ) -> tuple[LlamaConfig, LlamaForCausalLM]:

@@ -5,6 +5,9 @@ threads and dtype could in principle reach:
 
 - ``peak_flops``: the best FLOP/s of ``F.linear(x [M, K], w [N, K])`` over the model's projection
   shapes (q/k/v/o, gate/up/down, and their fused forms) at a compute-bound number of tokens.
+- ``peak_int_ops``: on CPU, the integer operations per second of the dot product the 8-bit-activation
+  kernels use (``vpdpbusd``, or ``vpmaddubsw`` + ``vpmaddwd`` on AVX2) in a loop that keeps its operands in
+  registers: the limit of ``gguf-q8``'s matmuls, as ``peak_flops`` is of fp32 ones.
 - ``peak_read_bw``: the best bytes/s of two read-only kernels over a tensor far larger than the
   last-level cache: ``x.sum()`` and a matrix-vector product (what a decode step does to its weights).
   On CPU the tensor is twice the last-level cache as Linux reports it, and at least 256 MiB: some cloud
@@ -49,6 +52,9 @@ class HardwareLimits:
     bandwidth_by_method: dict[str, float] = field(default_factory=dict)  # bytes/s
     bandwidth_probe_bytes: int = 0  # the size of the tensor read
     last_level_cache_bytes: int | None = None  # CPU only, as Linux reports it
+    # the 8-bit-activation kernels' integer dot product in registers (ops/s, 2 per multiply-add); None unmeasured
+    peak_int_ops: float | None = None
+    int_instruction: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -58,6 +64,10 @@ class HardwareLimits:
             f"hardware limits on {self.device} ({self.dtype}, {self.num_threads} threads): "
             f"matmul {self.peak_flops / 1e9:.1f} GFLOP/s, read bandwidth {self.peak_read_bw / 1e9:.1f} GB/s",
         ]
+        if self.peak_int_ops:
+            lines.append(
+                f"  integer dot product ({self.int_instruction}) {self.peak_int_ops / 1e9:.1f} GOP/s"
+            )
         for p in self.matmul:
             lines.append(
                 f"  matmul {p.name:<10} [{p.num_tokens}x{p.in_features}]x[{p.in_features}x{p.out_features}]"
@@ -173,6 +183,21 @@ def measure_read_bandwidth(
     return out
 
 
+def measure_integer_peak(min_total_s: float = 0.3) -> tuple[float, str] | None:
+    """(ops/s, instruction) of the 8-bit-activation kernels' integer dot product on every torch thread, its
+    operands in registers (``csrc/peak_probe.h``); None without the C++ kernels."""
+    from tokenmill.model.cpu.kernels import integer_dot_instruction, loaded
+
+    module = loaded().module
+    if module is None:
+        return None
+    num_threads = torch.get_num_threads()
+    iters = 1 << 18
+    ops = module.qdot_peak_ops_per_iter() * iters * num_threads
+    best = best_time_s(lambda: module.qdot_peak(iters, num_threads), lambda: None, min_total_s)
+    return ops / best, integer_dot_instruction()
+
+
 def measure(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -201,6 +226,7 @@ def measure(
     points = [p for m in token_counts for p in measure_matmul(layer_shapes, device, dtype, m, min_total_s)]
     points += measure_matmul(head_shapes, device, dtype, 256, min_total_s)
     bw = measure_read_bandwidth(device, dtype, bandwidth_bytes, min_total_s)
+    integer = measure_integer_peak(min_total_s) if device.type == "cpu" else None
     return HardwareLimits(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -211,6 +237,8 @@ def measure(
         bandwidth_by_method=bw,
         bandwidth_probe_bytes=bandwidth_bytes,
         last_level_cache_bytes=llc_bytes,
+        peak_int_ops=integer[0] if integer else None,
+        int_instruction=integer[1] if integer else "",
     )
 
 

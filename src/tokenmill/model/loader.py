@@ -48,10 +48,20 @@ class LoadedModel:
         None  # what was applied: "gguf", "gguf-q8", "fp32" (a GGUF dequantized), "int8", None
     )
     weight_bytes: int = 0  # the weights' resident bytes (quant.weight_bytes), reported at start
+    quantization_reason: str = (
+        "asked for"  # why this quantization (model/arithmetic.py when the default chose)
+    )
 
     def describe_weights(self) -> str:
         mode = self.quantization or str(self.dtype).removeprefix("torch.")
         return f"weights {self.weight_bytes / 1e6:.1f} MB resident ({mode})"
+
+    def describe_arithmetic(self) -> str:
+        """Which arithmetic runs and why, as the start line and ``tokenmill info`` say it."""
+        from tokenmill.model.arithmetic import describe
+
+        mode = self.quantization or str(self.dtype).removeprefix("torch.")
+        return f"arithmetic {mode} ({describe(self.quantization)}): {self.quantization_reason}"
 
 
 def resolve_device_dtype(
@@ -90,10 +100,11 @@ def load_model(
     name of a model ``tokenmill pull`` fetched (:mod:`tokenmill.models`).
 
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
-    ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``"gguf"`` keeps a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 tensors
-    as their blocks and computes from them (CPU, fp32 activations; the default for such a file when the C++
-    kernels are loaded), ``"gguf-q8"`` too, with the 4-bit ones' activations rounded to 8 bits per group of 32
-    (integer dot products, as llama.cpp and vLLM's GGUF kernels do), ``"gguf-q4"`` as ``"gguf-q8"`` with the
+    ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``None`` lets :mod:`~tokenmill.model.arithmetic`
+    choose for a quantized GGUF on CPU with the C++ kernels (``LoadedModel.quantization_reason`` says why).
+    ``"gguf"`` keeps a GGUF's quantized tensors as their blocks and computes from them exactly (fp32 activations),
+    ``"gguf-q8"`` too, with the activations rounded to 8 bits per group of 32 (integer dot products, as llama.cpp
+    and vLLM's GGUF kernels do), ``"gguf-q4"`` as ``"gguf-q8"`` with the
     projections rounded to 4 bits first (approximate; a draft model's default), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
     for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
     ``dtype``).
@@ -115,8 +126,9 @@ def load_model(
         safetensors_files(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         config, llama = load_hf_model(path, resolved_device, resolved_dtype, config)
+        reason = "asked for" if quantization is not None else "a Hugging Face directory: its weights' dtype"
     elif is_gguf:
-        config, llama, tokenizer, quantization = _load_gguf(
+        config, llama, tokenizer, quantization, reason = _load_gguf(
             path, cache_dir, quantization, resolved_device, resolved_dtype
         )
     else:
@@ -139,6 +151,7 @@ def load_model(
         dtype=resolved_dtype,
         quantization=quantization or ("fp32" if is_gguf else None),
         weight_bytes=weight_bytes(llama),
+        quantization_reason=reason,
     )
 
 
@@ -172,14 +185,21 @@ def _load_encoder(
 
 def _load_gguf(
     path: Path, cache_dir: str | None, quantization: str | None, device: torch.device, dtype: torch.dtype
-) -> tuple[LlamaConfig, LlamaForCausalLM, Tokenizer, str | None]:
-    """A GGUF's config, model and tokenizer, and the quantization it got (its blocks kept by default)."""
+) -> tuple[LlamaConfig, LlamaForCausalLM, Tokenizer, str | None, str]:
+    """A GGUF's config, model and tokenizer, the quantization it got and why (``model/arithmetic.py`` chooses
+    for quantized blocks on CPU when none is asked for)."""
     from tokenmill.model.gguf_loader import GGUFFile
     from tokenmill.tokenizer import Tokenizer
 
     gguf_file = GGUFFile(path, cache_dir)
-    if quantization is None and _keeps_gguf_blocks(gguf_file, device, dtype):
-        quantization = "gguf"
+    reason = "asked for"
+    if quantization is None:
+        reason = _why_not_blocks(gguf_file, device, dtype)
+    if quantization is None and not reason:
+        from tokenmill.model.cpu.kernels import loaded
+
+        choice = gguf_file.default_arithmetic(loaded().variant)
+        quantization, reason = choice.quantization, choice.reason
     # GGUFFile offers GGUFReader's `fields`: one parse of the metadata (none on a cache hit)
     tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
     if quantization in GGUF_BLOCK_MODES:
@@ -188,7 +208,7 @@ def _load_gguf(
         )
     else:
         config, llama = gguf_file.load_model(device, dtype)
-    return config, llama, tokenizer, quantization
+    return config, llama, tokenizer, quantization, reason
 
 
 def _model_path(model: str | None) -> Path:
@@ -221,14 +241,19 @@ def _check_quantization(
         )
 
 
-def _keeps_gguf_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) -> bool:
-    """The default for a GGUF: keep its blocks when it has quantized tensors the kernels take, on CPU in fp32
-    with the C++ kernels loaded (without them the torch fallback would dequantize at every step)."""
-    from tokenmill.model.cpu.kernels import quant_kernels
+def _why_not_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) -> str:
+    """Why a GGUF's blocks are dequantized at load by default, or "" when they are kept: they are kept when the
+    file has quantized tensors the kernels take, on CPU in fp32 with the C++ kernels loaded (without them the
+    torch fallback would dequantize at every step)."""
+    from tokenmill.model.cpu.kernels import loaded, quant_kernels
 
-    if device.type != "cpu" or dtype != torch.float32 or quant_kernels() is None:
-        return False
-    return bool(gguf_file.quantized_tensor_types())
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"GGUF blocks are computed on CPU in float32; on {device.type} in {dtype} they are dequantized"
+    if quant_kernels() is None:
+        return f"no C++ kernels ({loaded().reason}): the blocks are dequantized at load"
+    if not gguf_file.quantized_tensor_types():
+        return "the file holds no quantized tensors the kernels take"
+    return ""
 
 
 def allocate_kv_cache(

@@ -199,6 +199,8 @@ class AsyncEngine:
         defaults = getattr(engine, "generation_defaults", None)
         self.sampling_defaults: dict[str, Any] = dict(defaults.values) if defaults is not None else {}
         self.model_name: str = engine.model_name
+        self.quantization: str | None = engine.quantization
+        self.arithmetic: str = engine.arithmetic
         self.is_pooling: bool = bool(getattr(engine, "is_pooling", False))  # an embedding model
         self.embedding_size: int | None = int(engine.loaded.config.hidden_size) if self.is_pooling else None
         self.clock: Callable[[], float] = getattr(engine, "clock", time.perf_counter)

@@ -267,6 +267,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
     metrics.set_build_info(info)
     logger.info("%s", system_info.one_line(info))
     logger.info("%s; KV cache %.1f MB", engine.loaded.describe_weights(), engine.kv_cache_bytes / 1e6)
+    logger.info("%s", engine.loaded.describe_arithmetic())
     logger.info("%s", engine.generation_defaults.describe())
     async_engine = AsyncEngine(
         engine,

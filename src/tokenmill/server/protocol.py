@@ -486,6 +486,9 @@ class ModelCard(BaseModel):
     owned_by: str = "tokenmill"
     root: str | None = None
     max_model_len: int
+    # tokenmill's own: the quantization that runs (``--quantization``) and why (model/arithmetic.py)
+    quantization: str | None = None
+    arithmetic: str | None = None
 
 
 class ModelList(BaseModel):

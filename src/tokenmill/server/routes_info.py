@@ -32,6 +32,8 @@ def _model_card(state: ServerState) -> ModelCard:
         id=state.served_model_name,
         root=state.async_engine.model_name,
         max_model_len=state.async_engine.max_model_len,
+        quantization=state.async_engine.quantization,
+        arithmetic=state.async_engine.arithmetic,
     )
 
 

@@ -150,6 +150,11 @@ def fast_paths() -> dict[str, str]:
     }
 
 
+def integer_dot_instruction() -> str:
+    """The instruction sequence of the loaded variant's 8-bit-activation dot product (simd::qdot32)."""
+    return _Q8_DOT.get(loaded().variant or "", "none")
+
+
 def kernel_summary() -> dict[str, Any]:
     """The machine and the kernels in use, for ``tokenmill info``, the server's start line and the benchmarks."""
     state = loaded()

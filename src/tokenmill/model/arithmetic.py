@@ -1,0 +1,123 @@
+"""Which arithmetic a GGUF gets when none is asked for, and why: the exact path or llama.cpp's.
+
+``"gguf"`` (exact) multiplies fp32 activations by the blocks' exact values; ``"gguf-q8"`` (llama.cpp's
+arithmetic) rounds the activations to 8 bits per group of 32 and multiplies them by the blocks' codes with integer
+dot products, as llama.cpp, Ollama and vLLM's GGUF kernels compute every GGUF. The second is faster (on 2 Zen 4
+cores the 1.5B prefills 1,024 tokens in 8.7 s instead of 18.8 s) and costs quality only at the level of noise on
+the models measured below.
+
+The rule: llama.cpp's arithmetic is a model's default where ``benchmarks/arithmetic_quality.py`` measured its
+perplexity rising at most :data:`MAX_PERPLEXITY_RISE_PCT` on every text and top-1 agreement with the exact path at
+least :data:`MIN_TOP1_AGREEMENT_PCT`; a measured model outside it keeps the exact path. A file not measured here
+gets llama.cpp's arithmetic, the one every other GGUF runner gives it (the benchmark measures it:
+``python -m benchmarks.arithmetic_quality --model PATH``). Without an integer dot-product kernel (the portable
+``base`` build computes it in plain loops) the exact path stays.
+
+Torch-free: the loader asks, ``tokenmill info --load``, the server's start line and ``/v1/models`` report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXACT, LLAMA_CPP = "gguf", "gguf-q8"
+MAX_PERPLEXITY_RISE_PCT = 1.0
+MIN_TOP1_AGREEMENT_PCT = 97.0
+# the kernel variants whose 8-bit-activation path runs on integer dot products (csrc/simd.h's qdot)
+INTEGER_DOT_VARIANTS = ("avx512", "avx2")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One model file as ``benchmarks/arithmetic_quality.py`` measured it: the file is known by its GGUF
+    ``general.architecture``, ``general.name`` and size in bytes. Per text (``prose``, ``code``): perplexity rise
+    of llama.cpp's arithmetic over the exact path in percent, and top-1 agreement in percent (about 20,000 tokens
+    each); ``greedy``: identical greedy outputs of 50 chat prompts of 64 tokens."""
+
+    name: str
+    architecture: str
+    general_name: str
+    file_bytes: int
+    perplexity_rise_pct: dict[str, float]
+    top1_agreement_pct: dict[str, float]
+    greedy: str
+    where: str  # the date and CPU of the measurement
+
+    def passes(self) -> bool:
+        return (
+            max(self.perplexity_rise_pct.values()) <= MAX_PERPLEXITY_RISE_PCT
+            and min(self.top1_agreement_pct.values()) >= MIN_TOP1_AGREEMENT_PCT
+        )
+
+    def summary(self) -> str:
+        texts = ", ".join(
+            f"{text} perplexity {self.perplexity_rise_pct[text]:+.2f}%, top-1 {self.top1_agreement_pct[text]:.2f}%"
+            for text in self.perplexity_rise_pct
+        )
+        return f"{texts}; greedy identical {self.greedy} ({self.where})"
+
+
+_ZEN4 = "2026-12-03, AMD EPYC family 25 model 17"
+MEASURED = (
+    Measured(
+        "SmolLM2-135M-Instruct Q4_1 (embedded)", "llama", "Smollm2 135M 8k Lc100K Mix1 Ep2", 98_362_432,
+        {"prose": 0.232}, {"prose": 97.17}, "14/50", _ZEN4,
+    ),
+    Measured(
+        "gemma-3-270m Q4_K_M", "gemma3", "Gemma 3 270m", 253_113_024,
+        {"prose": 0.058}, {"prose": 97.11}, "28/50", _ZEN4,
+    ),
+    Measured(
+        "qwen2.5-coder-0.5b-instruct Q4_K_M", "qwen2", "Qwen2.5 Coder 0.5B Instruct AWQ", 491_400_064,
+        {"prose": 0.065, "code": 0.011}, {"prose": 99.12, "code": 99.44}, "38/50", _ZEN4,
+    ),
+    Measured(
+        "qwen2.5-coder-1.5b-instruct Q4_K_M", "qwen2", "Qwen2.5 Coder 1.5B Instruct GGUF", 1_117_320_768,
+        {"prose": 0.040, "code": 0.083}, {"prose": 99.19, "code": 99.49}, "35/50", _ZEN4,
+    ),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Choice:
+    quantization: str  # EXACT or LLAMA_CPP
+    reason: str
+
+
+def describe(quantization: str | None) -> str:
+    """What a quantization computes, in a few words (the start line and ``/v1/models``)."""
+    return {
+        EXACT: "exact: fp32 activations times the blocks' exact values",
+        LLAMA_CPP: "llama.cpp's arithmetic: activations rounded to 8 bits per 32, integer dot products",
+        "gguf-q4": "llama.cpp's arithmetic on weights rounded to 4 bits at load (approximate)",
+        "fp32": "fp32 weights dequantized at load",
+        "int8": "weight-only int8 made from the fp32 weights",
+    }.get(quantization or "", "the weights in their dtype")
+
+
+def measured(architecture: str, general_name: str, file_bytes: int) -> Measured | None:
+    for m in MEASURED:
+        if (m.architecture, m.general_name, m.file_bytes) == (architecture, general_name, file_bytes):
+            return m
+    return None
+
+
+def choose(architecture: str, general_name: str, file_bytes: int, kernel_variant: str | None) -> Choice:
+    """The default arithmetic of a quantized GGUF on CPU with the C++ kernels loaded (``kernel_variant``)."""
+    if kernel_variant not in INTEGER_DOT_VARIANTS:
+        return Choice(
+            EXACT, f"the {kernel_variant} kernels have no integer dot product; the exact path is faster"
+        )
+    m = measured(architecture, general_name, file_bytes)
+    if m is None:
+        return Choice(
+            LLAMA_CPP,
+            "this file is not among the models measured here; llama.cpp's arithmetic, as every GGUF runner "
+            "computes it (python -m benchmarks.arithmetic_quality --model PATH measures it)",
+        )
+    rule = (
+        f"rule: perplexity +{MAX_PERPLEXITY_RISE_PCT:g}% at most, top-1 {MIN_TOP1_AGREEMENT_PCT:g}% at least"
+    )
+    if m.passes():
+        return Choice(LLAMA_CPP, f"measured on {m.name}: {m.summary()}; within the {rule}")
+    return Choice(EXACT, f"llama.cpp's arithmetic measured on {m.name}: {m.summary()}; outside the {rule}")

@@ -1,0 +1,66 @@
+"""The default arithmetic of a quantized GGUF: llama.cpp's where measured quality allows, else the exact path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tokenmill.model import arithmetic
+from tokenmill.model.arithmetic import EXACT, LLAMA_CPP, Measured, choose
+
+_EMBEDDED = ("llama", "Smollm2 135M 8k Lc100K Mix1 Ep2", 98_362_432)
+
+
+def test_a_measured_model_within_the_rule_gets_llama_cpp_arithmetic() -> None:
+    choice = choose(*_EMBEDDED, kernel_variant="avx2")
+    assert choice.quantization == LLAMA_CPP
+    assert "measured on SmolLM2-135M-Instruct" in choice.reason and "97.17%" in choice.reason
+
+
+def test_the_same_name_at_another_size_is_another_file() -> None:
+    choice = choose("llama", _EMBEDDED[1], _EMBEDDED[2] + 1, kernel_variant="avx512")
+    assert choice.quantization == LLAMA_CPP and "not among the models measured" in choice.reason
+
+
+@pytest.mark.parametrize(("rise_pct", "top1_pct"), [(1.2, 99.0), (0.1, 96.9), (0.5, 98.0)])
+def test_a_measured_model_outside_the_rule_keeps_the_exact_path(
+    monkeypatch: pytest.MonkeyPatch, rise_pct: float, top1_pct: float
+) -> None:
+    rise, top1 = {"prose": 0.1, "code": rise_pct}, {"prose": top1_pct, "code": 99.0}
+    record = Measured("m", "qwen2", "M", 1000, rise, top1, "1/50", "t")
+    monkeypatch.setattr(arithmetic, "MEASURED", (record,))
+    choice = choose("qwen2", "M", 1000, kernel_variant="avx512")
+    within = rise_pct <= 1.0 and top1_pct >= 97.0
+    assert choice.quantization == (LLAMA_CPP if within else EXACT)
+    assert ("outside the rule" in choice.reason) != within
+
+
+def test_without_an_integer_dot_product_the_exact_path_stays() -> None:
+    for variant in ("base", None):
+        choice = choose(*_EMBEDDED, kernel_variant=variant)
+        assert choice.quantization == EXACT and "no integer dot product" in choice.reason
+
+
+def test_every_measured_record_is_one_file_and_says_where() -> None:
+    keys = [(m.architecture, m.general_name, m.file_bytes) for m in arithmetic.MEASURED]
+    assert len(set(keys)) == len(keys) >= 4
+    for m in arithmetic.MEASURED:
+        assert set(m.perplexity_rise_pct) == set(m.top1_agreement_pct)
+        assert "family" in m.where and "model" in m.where  # the CPU by family and model number
+        assert dataclasses.replace(m, top1_agreement_pct={"prose": 50.0}).passes() is False
+
+
+def test_the_embedded_file_is_the_measured_one() -> None:
+    """The table knows the real file by its metadata and size: the embedded model loads on the rule's choice."""
+    from tokenmill.model.cpu.kernels import loaded
+    from tokenmill.model.embedded import embedded_model_path
+    from tokenmill.model.gguf_loader import GGUFFile
+
+    gguf_file = GGUFFile(embedded_model_path())
+    choice = gguf_file.default_arithmetic(loaded().variant)
+    if loaded().variant in arithmetic.INTEGER_DOT_VARIANTS:
+        assert choice.quantization == LLAMA_CPP
+        assert "measured on SmolLM2-135M-Instruct Q4_1 (embedded)" in choice.reason
+    else:
+        assert choice.quantization == EXACT

@@ -1,0 +1,68 @@
+"""The thread governor against a simulated machine: each step's efficiency depends on the thread count in use and
+on whether a neighbour holds a core."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.worker.thread_governor import ThreadGovernor
+
+# efficiency (bound / wall time) of a decode step: (threads, neighbour busy) -> efficiency
+QUIET = {2: 0.90, 1: 0.60}
+BUSY = {2: 0.25, 1: 0.55}  # the 2-thread step waits for the starved thread
+
+
+class Machine:
+    def __init__(self, max_threads: int = 2) -> None:
+        self.threads = max_threads
+        self.calls: list[int] = []
+        self.governor = ThreadGovernor(max_threads, self.set_threads)
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        self.calls.append(n)
+
+    def run(self, num_steps: int, table: dict[int, float], kind: str = "decode") -> list[int]:
+        used = []
+        for _ in range(num_steps):
+            used.append(self.threads)
+            self.governor.observe(kind, bound_s=table[self.threads] * 0.01, step_s=0.01)
+        return used
+
+
+def test_a_quiet_machine_keeps_every_thread_and_probes_rarely() -> None:
+    m = Machine()
+    used = m.run(5000, QUIET)
+    assert m.governor.num_threads == 2 and m.governor.num_switches == 0
+    assert used.count(1) / len(used) < 0.03  # the probes' cost
+    assert used[-200:].count(1) <= m.governor.probe_steps  # backed off: at most one probe in the last 200
+
+
+def test_a_busy_neighbour_drops_a_thread_quickly_and_its_leaving_restores_it() -> None:
+    m = Machine()
+    m.run(600, QUIET)
+    used = m.run(400, BUSY)
+    first_one = used.index(1)
+    assert first_one <= 10  # the collapse is seen in a few steps
+    assert m.governor.num_threads == 1 and used[30:].count(1) / len(used[30:]) > 0.95
+    after = m.run(1200, QUIET)
+    assert m.governor.num_threads == 2 and after[-100:].count(2) >= 100 - m.governor.probe_steps
+
+
+def test_only_decode_steps_decide() -> None:
+    m = Machine()
+    m.run(500, BUSY, kind="prefill")
+    assert m.calls == [] and m.governor.num_threads == 2
+
+
+def test_more_cores_probe_one_fewer() -> None:
+    m = Machine(max_threads=4)
+    table = {4: 0.3, 3: 0.8}
+    m.run(100, {4: 0.9, 3: 0.7})
+    m.run(100, table)
+    assert m.governor.num_threads == 3 and set(m.calls) <= {3, 4}
+
+
+def test_one_thread_has_nothing_to_govern() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        ThreadGovernor(1, lambda n: None)
