@@ -39,6 +39,11 @@ class CacheConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# EngineConfig.speculative_config "auto", what LLM() and the CLI give when none is asked for: n-gram prompt lookup
+# (SpeculativeConfig's defaults, off from 4 running requests), none for an embedding model. benchmarks/spec.py on
+# the 1.5B (gguf-q8, 2 Zen 4 cores, 2026-12-03): every workload at 0.98x or better of plain decoding, 1.07-3.15x
+# at one stream. {"method": "none"} turns it off.
+SPECULATION_AUTO = "auto"
 # A draft token below this probability (the draft's own) ends the proposal. Qwen2.5-Coder-0.5B drafting for the
 # 1.5B (gguf-q8) on the benchmark's open, edit and random prompts: of the tokens it gave 0.5 or more, 90-97% were
 # the target's; of those below 0.5, 35-40%. A slot costs a draft forward (0.3 of a target step on 2 Zen 4
@@ -129,6 +134,10 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
         fields = dict(value)
+        if fields.get("method") == "none":
+            if len(fields) > 1:
+                raise ValueError("speculative_config: method 'none' (off) takes no other keys")
+            return None
         known = {
             "method",
             "num_speculative_tokens",
@@ -206,15 +215,20 @@ class EngineConfig:
     generation_config: str = "auto"
     # ranks one model's layers are split over (worker/tensor_parallel.py; gloo on CPU)
     tensor_parallel_size: int = 1
-    # speculative decoding (None: off): a SpeculativeConfig or vLLM's dict, {"method": "ngram", ...}
-    speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
+    # speculative decoding (None: off): a SpeculativeConfig or vLLM's dict, {"method": "ngram", ...}, {"method":
+    # "none"} (off), or SPECULATION_AUTO (LLM's and the CLI's default: n-gram lookup for a generative model)
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
     # the machine's limits for each step's roofline fraction (tokenmill.roofline): None or "none" (off), "cached"
     # (measured once per machine and kept in the cache directory, model/hardware_cache.py: the server's default),
     # "measure" (now, and cached), or "GFLOPS,GBS"
     hardware_limits: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        spec = self.speculative_config
+        if isinstance(spec, str) and spec != SPECULATION_AUTO:
+            raise ValueError(f"speculative_config must be a dict or {SPECULATION_AUTO!r}, got {spec!r}")
+        if not isinstance(spec, str):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(spec))
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_preemptions", self.max_num_preemptions)

@@ -26,6 +26,7 @@ from typing import Any
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import (
     DEFAULT_BATCHED_TOKENS,
+    SPECULATION_AUTO,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -117,6 +118,11 @@ class Engine:
         self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
         # An embedding model (an encoder, model/encoder.py): prompts are pooled, not continued; no KV is kept.
         self.is_pooling = bool(getattr(loaded.model, "is_encoder", False))
+        if (
+            config.speculative_config == SPECULATION_AUTO
+        ):  # the default's: n-gram lookup, none for an embedding model
+            config = replace(config, speculative_config=None if self.is_pooling else SpeculativeConfig())
+            self.config = config
         if self.is_pooling and (config.speculative_config is not None or tp > 1):
             raise ValueError("an embedding model runs without speculative_config and tensor parallelism")
         self.draft = self._load_draft()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.config import OFFLINE_BATCHED_TOKENS, EngineConfig
+from tokenmill.config import OFFLINE_BATCHED_TOKENS, SPECULATION_AUTO, EngineConfig
 from tokenmill.engine import Engine, ParamsArg, Prompt, Prompts, as_prompt_list
 from tokenmill.outputs import RequestOutput
 
@@ -26,6 +26,7 @@ class LLM:
         engine_kwargs.setdefault(
             "max_num_batched_tokens", OFFLINE_BATCHED_TOKENS
         )  # offline: throughput first
+        engine_kwargs.setdefault("speculative_config", SPECULATION_AUTO)  # n-gram lookup for thin batches
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
 
     def get_tokenizer(self) -> Any:

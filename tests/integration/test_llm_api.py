@@ -93,3 +93,21 @@ def test_cli_reports_bad_input_cleanly():
     )
     assert proc.returncode == 2
     assert "max_tokens" in proc.stderr
+
+
+def test_llm_speculates_by_prompt_lookup_by_default_and_greedy_output_is_unchanged():
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.llm import LLM
+
+    llm = LLM(num_kv_blocks=64)
+    assert isinstance(llm.engine.config.speculative_config, SpeculativeConfig)
+    assert llm.engine.config.speculative_config.method == "ngram"
+    plain = LLM(num_kv_blocks=64, speculative_config={"method": "none"})
+    assert plain.engine.config.speculative_config is None
+    prompt = "List the days of the week: Monday, Tuesday, Wednesday, Thursday, Friday. Again: Monday,"
+    params = SamplingParams(max_tokens=24, temperature=0)
+    assert (
+        llm.generate([prompt], params)[0].outputs[0].token_ids
+        == plain.generate([prompt], params)[0].outputs[0].token_ids
+    )
+    assert llm.engine.stats.num_spec_draft_tokens > 0  # it did propose

@@ -237,7 +237,7 @@ def test_forced_function_call_and_its_output(
 
 class City(BaseModel):
     name: str = Field(max_length=30)
-    population: int = Field(ge=0)
+    population: int = Field(ge=0, le=100_000_000)  # bounded: an unbounded integer lets a small model run on
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI, served: str) -> None:

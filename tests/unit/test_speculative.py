@@ -393,3 +393,27 @@ def test_ngram_bound_replays_the_proposer_on_known_outputs() -> None:
     assert ngram_bound([prompt], [output], 4) == (6, 3, 1)
     # k = 2: t=2 proposes 3 4 (both accepted); t=5: "2 3 4 5" proposes 8, rejected
     assert ngram_bound([prompt], [output], 2) == (6, 4, 2)
+
+
+def test_method_none_turns_speculation_off_and_auto_waits_for_the_model() -> None:
+    from tokenmill.config import SPECULATION_AUTO, EngineConfig
+
+    assert EngineConfig(speculative_config={"method": "none"}).speculative_config is None
+    with pytest.raises(ValueError, match="takes no other keys"):
+        EngineConfig(speculative_config={"method": "none", "num_speculative_tokens": 2})
+    assert EngineConfig(speculative_config=SPECULATION_AUTO).speculative_config == SPECULATION_AUTO
+    with pytest.raises(ValueError, match="must be a dict or 'auto'"):
+        EngineConfig(speculative_config="ngram")
+
+
+def test_the_cli_default_is_auto_and_json_none_is_off() -> None:
+    import argparse
+
+    from tokenmill.config import SPECULATION_AUTO
+    from tokenmill.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).speculative_config == SPECULATION_AUTO
+    off = parser.parse_args(["--speculative-config", '{"method": "none"}'])
+    assert engine_config_from_args(off).speculative_config is None
