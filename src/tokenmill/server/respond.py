@@ -8,6 +8,7 @@ the whole response. Everything else is here.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, ClassVar, Protocol
@@ -31,11 +32,18 @@ from tokenmill.server.common import (
 )
 from tokenmill.server.protocol import PromptTokensDetails, UsageInfo
 
+# A stream with nothing to say for this long (a long prompt's prefill, a full queue) sends the view's keep-alive:
+# clients' first-byte and idle timers (Claude Code's 300 s watchdog, proxies' 60 s) never see a silent stream.
+KEEPALIVE_S = 10.0
+SSE_COMMENT_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every client skips it
+
 
 class View(Protocol):
     """How one API writes its answers (per HTTP request). Events are ready SSE text (one or several events)."""
 
-    def opening_events(self, num_choices: int) -> Iterable[str]: ...  # before any delta (chat: the roles)
+    def opening_events(self, num_choices: int) -> Iterable[str]: ...  # at once, before any delta
+
+    def keepalive_event(self) -> str: ...  # when nothing else was sent for KEEPALIVE_S
 
     def event(self, index: int, delta: RequestDelta) -> str | None: ...  # one delta of choice ``index``
 
@@ -104,6 +112,9 @@ class OpenAIView:
     def error_events(self, error: ApiError) -> list[str]:
         return [error.sse_event(), SSE_DONE]
 
+    def keepalive_event(self) -> str:
+        return SSE_COMMENT_KEEPALIVE
+
 
 async def respond(request: Request, state: ServerState, view: View, group: RequestGroup, stream: bool) -> Any:
     """The group's answer: an event stream, or (once every choice ended) one JSON body; 499 when the client left
@@ -143,15 +154,45 @@ async def wait_for_results(
     return results
 
 
-async def events(view: View, group: RequestGroup, state: ServerState) -> AsyncIterator[str]:
-    """The stream: the view's opening events, an event per delta, its closing events; a failure (the engine's,
-    or a bug while formatting) ends it with the view's error events instead."""
+async def with_keepalives(source: AsyncIterator[Any], keepalive_s: float) -> AsyncIterator[Any]:
+    """``source``'s items, and None whenever ``keepalive_s`` passes without one. The pending read is cancelled
+    when the consumer stops (a client gone), so nothing is left waiting on the group."""
+    pending: asyncio.Task[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(source.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+            if not done:
+                yield None
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+async def events(
+    view: View, group: RequestGroup, state: ServerState, keepalive_s: float = KEEPALIVE_S
+) -> AsyncIterator[str]:
+    """The stream: the view's opening events at once, an event per delta (a keep-alive when none came for
+    ``keepalive_s``), its closing events; a failure (the engine's, or a bug while formatting) ends it with the
+    view's error events instead."""
     num_completion_tokens = 0
     finished: dict[int, RequestMetrics | None] = {}
     try:
         for opening in view.opening_events(len(group.request_ids)):
             yield opening
-        async for index, delta in group.stream():
+        async for item in with_keepalives(group.stream(), keepalive_s):
+            if item is None:
+                yield view.keepalive_event()
+                continue
+            index, delta = item
             failure = stream_failure(state.async_engine, group, delta)
             if failure is not None:
                 group.abort()

@@ -142,7 +142,12 @@ class _MessagesView:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
 
     def opening_events(self, num_choices: int) -> list[str]:
-        return []  # message_start waits for the first delta: it carries the cached-token count
+        # message_start at once, before the prefill: its usage counts the whole prompt as input (what the prefix
+        # cache served is not known yet); message_delta's usage at the end has the final counts, cache reads too
+        return [self.start()]
+
+    def keepalive_event(self) -> str:
+        return self.sse("ping")
 
     def start(self) -> str:
         if self.started:

@@ -43,7 +43,7 @@ from tokenmill.server.protocol_responses import (
     parse_items,
     to_chat,
 )
-from tokenmill.server.respond import respond
+from tokenmill.server.respond import SSE_COMMENT_KEEPALIVE, respond
 from tokenmill.server.response_store import ResponseStoreError, StoredResponse
 from tokenmill.server.routes_chat import plan_chat
 from tokenmill.server.tool_calls import parse as parse_tool_calls
@@ -410,6 +410,9 @@ class _ResponsesView:
             body["metrics"] = metrics
         out.append(self.sse(kind, response=body))
         return out
+
+    def keepalive_event(self) -> str:
+        return SSE_COMMENT_KEEPALIVE  # the Responses stream has no keep-alive event: an SSE comment
 
     def error_events(self, error: ApiError) -> list[str]:
         failure = {"code": error.info.code or error.info.type, "message": error.info.message}
