@@ -227,11 +227,35 @@ def test_qwen2_window_only_on_the_upper_layers(tokenizer_files: Path, tmp_path: 
     )
 
 
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},  # Qwen2.5's 128k form
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 24, "beta_fast": 16,
+         "beta_slow": 2, "mscale": 0.9, "mscale_all_dim": 0.7, "truncate": False},
+    ],
+)  # fmt: skip
+def test_yarn_rope_matches_transformers(rope_scaling, tokenizer_files: Path, tmp_path: Path) -> None:
+    """A tiny Qwen2 with YaRN scaling (an original context of 16-24 tokens, so the prompts run past it): logits
+    within the suite's tolerance of transformers', flat and incremental."""
+    from test_model_vs_hf import assert_flat_batch_matches
+
+    hf_model = build_hf("qwen2", seed=3, rope_scaling=rope_scaling)
+    loaded = load_model(str(save_dir(hf_model, tokenizer_files, tmp_path)), device="cpu")
+    assert loaded.config.rope_scaling is not None and loaded.config.rope_scaling["rope_type"] == "yarn"
+    assert_flat_batch_matches(
+        loaded.model, loaded.config, hf_model, prompts([5, 40, 70], seed=2), block_size=4
+    )
+    assert_incremental_matches(
+        loaded.model, loaded.config, hf_model, prompts([50], seed=4)[0], 8, block_size=4
+    )
+
+
 UNSUPPORTED = [
     ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "gemma2"),
     ({"model_type": "qwen2_moe", "num_experts": 8}, "MoE"),
     ({"model_type": "mixtral", "num_local_experts": 8}, "MoE"),
-    ({"model_type": "qwen2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"model_type": "qwen2", "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act"),
     (
@@ -494,3 +518,18 @@ def test_qwen_style_chat_template_with_tools_renders_as_transformers(
     theirs = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert ours == theirs
     assert '"name": "get_weather"' in ours and "<tool_response>" in ours and "look it up" not in ours
+
+
+def test_qwen25_128k_configuration_loads_with_its_scaled_context() -> None:
+    """Qwen2.5's documented long-context setting: max_position_embeddings stays 32,768, rope_scaling adds YaRN
+    with factor 4 (4.x's "type" key): 131,072 positions, as vLLM derives them."""
+    from tokenmill.model.config import LlamaConfig
+
+    base = build_hf("qwen2").config.to_dict()
+    scaling = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+    config = LlamaConfig.from_hf_dict({**base, "max_position_embeddings": 32768, "rope_scaling": scaling})
+    assert config.max_position_embeddings == 131072
+    assert config.rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": None,
+        "beta_fast": None, "beta_slow": None, "mscale": None, "mscale_all_dim": None, "truncate": None,
+    }  # fmt: skip

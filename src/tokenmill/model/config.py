@@ -36,6 +36,10 @@ _REQUIRED_HF_KEYS = (
     "num_attention_heads",
 )
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's keys besides factor and original_max_position_embeddings, each None when absent (model/llama.py's
+# defaults: transformers' and the paper's)
+_YARN_OPTIONAL_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+_ROPE_TYPES = "'linear', 'llama3' and 'yarn'"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -212,7 +216,7 @@ class LlamaConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=_scaled_context(d.get("max_position_embeddings", 2048), rope_scaling),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
@@ -264,6 +268,7 @@ class LlamaConfig:
             if arch == "gemma3"
             else {}
         )
+        gguf_scaling = _gguf_rope_scaling(meta, arch)
         return cls(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -274,8 +279,10 @@ class LlamaConfig:
             head_dim=head_dim,
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(meta, arch),
-            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+            rope_scaling=gguf_scaling,
+            max_position_embeddings=_scaled_context(
+                int(meta.get(f"{arch}.context_length", 2048)), gguf_scaling
+            ),
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -411,11 +418,26 @@ def _hf_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     ):  # per layer type (Gemma 3)
         params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"]), _normalize_rope_scaling(scaling or params)
-    return float(d.get("rope_theta", 10000.0)), _normalize_rope_scaling(scaling)
+        return float(params["rope_theta"]), _normalize_rope_scaling(
+            scaling or params, d.get("max_position_embeddings")
+        )
+    return float(d.get("rope_theta", 10000.0)), _normalize_rope_scaling(
+        scaling, d.get("max_position_embeddings")
+    )
 
 
-def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+def _scaled_context(max_position_embeddings: int, rope_scaling: dict[str, Any] | None) -> int:
+    """The positions a model takes: YaRN's original context times its factor where that is more (Qwen2.5's 128k
+    configuration keeps max_position_embeddings at 32,768 and adds factor 4; vLLM derives the length so too)."""
+    if rope_scaling is None or rope_scaling["rope_type"] != "yarn":
+        return int(max_position_embeddings)
+    scaled = int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
+    return max(int(max_position_embeddings), scaled)
+
+
+def _normalize_rope_scaling(
+    scaling: dict[str, Any] | None, max_position_embeddings: int | None = None
+) -> dict[str, Any] | None:
     if not scaling:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -428,8 +450,15 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
         if missing:
             raise ValueError(f"llama3 rope_scaling is missing {', '.join(missing)}")
         out = {"rope_type": "llama3", **{key: scaling[key] for key in _LLAMA3_KEYS}}
+    elif rope_type == "yarn":
+        original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        factor = scaling.get("factor")
+        if factor is None and original and max_position_embeddings:  # as transformers infers it
+            factor = max_position_embeddings / original
+        out = {"rope_type": "yarn", "factor": float(factor or 0), "original_max_position_embeddings": original,
+               **{key: scaling.get(key) for key in _YARN_OPTIONAL_KEYS}}  # fmt: skip
     else:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}: supported are 'llama3' and 'linear'")
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}: supported are {_ROPE_TYPES}")
     _check_rope_scaling(out)
     return out
 
@@ -438,8 +467,10 @@ def _check_rope_scaling(scaling: dict[str, Any] | None) -> None:
     if scaling is None:
         return
     rope_type = scaling.get("rope_type")
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}: supported are 'llama3' and 'linear'")
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}: supported are {_ROPE_TYPES}")
+    if rope_type == "yarn" and not (scaling.get("original_max_position_embeddings") or 0) > 0:
+        raise ValueError(f"yarn rope_scaling needs original_max_position_embeddings, got {scaling}")
     if not scaling.get("factor", 0) > 0:
         raise ValueError(f"rope_scaling factor must be positive, got {scaling.get('factor')!r}")
     if rope_type == "llama3":
@@ -456,7 +487,20 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None
         return None
     if rope_type == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    raise ValueError(f"unsupported GGUF rope scaling type {rope_type!r}: supported are 'none' and 'linear'")
+    if (
+        rope_type == "yarn"
+    ):  # llama.cpp's keys; beta and mscale at their defaults as its converter writes them
+        original = meta.get(f"{arch}.rope.scaling.original_context_length") or meta.get(
+            f"{arch}.context_length"
+        )
+        scaling = {"rope_type": "yarn", "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+                   "original_max_position_embeddings": int(original) if original else None,
+                   **dict.fromkeys(_YARN_OPTIONAL_KEYS)}  # fmt: skip
+        _check_rope_scaling(scaling)
+        return scaling
+    raise ValueError(
+        f"unsupported GGUF rope scaling type {rope_type!r}: supported are 'none', 'linear' and 'yarn'"
+    )
 
 
 def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ How each piece runs is the model's compute backend's choice (``backend.py``): it
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -103,9 +104,50 @@ def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
             inv_freq,
             torch.where(wavelen > original_len / low, inv_freq / factor, blended),
         )
+    elif scaling is not None and scaling["rope_type"] == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, scaling, dim, config.rope_theta)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
     return inv_freq
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], dim: int, base: float) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), those that turn more than ``beta_fast`` times kept, a linear ramp between,
+    the ramp's ends rounded outwards to whole dimensions unless ``truncate`` is false (transformers' reading)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(num_rotations: float) -> float:  # the dimension whose frequency turns num_rotations times
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True) is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolated (kept), 0: interpolated
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(config: LlamaConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1, or the ratio of
+    ``mscale`` to ``mscale_all_dim`` ones, or ``attention_factor`` as given); 1 for every other RoPE."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, R // 2] each, for the first R dims of each head
@@ -247,8 +289,10 @@ class LlamaForCausalLM(nn.Module):
         # layers' frequencies, then (Gemma 3) the local layers' (LlamaDecoderLayer.rope_index picks one).
         self._inv_freq = rope_inv_freq(config)
         self._inv_freqs = [self._inv_freq]
+        self._rope_scales = [rope_attention_factor(config)]  # cos and sin times this (YaRN's temperature)
         if config.rope_local_theta is not None:
             self._inv_freqs.append(rope_inv_freq(config, local=True))
+            self._rope_scales.append(1.0)
         # the tied head's weight reordered once, and the matmul that takes it (cpu.packing)
         self.packed_head: torch.Tensor | None = None
         self.packed_head_matmul: PackedMatmul | None = None
@@ -287,7 +331,10 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         # one rotation for both paths: a token's K/V must not depend on which path computed it (with 8-bit
         # activations the rounding turns an ulp of difference into a step)
-        ropes = [self._rope_cos_sin(inv_freq, positions, x.dtype) for inv_freq in self._inv_freqs]
+        ropes = [
+            self._rope_cos_sin(inv_freq, positions, x.dtype, scale)
+            for inv_freq, scale in zip(self._inv_freqs, self._rope_scales)
+        ]
         fused = self.compute_backend().fused_step(meta)
         if fused is not None:  # the whole step in one call (the backend's decode stack)
             return fused(x, ropes[0], meta, kv_caches)
@@ -296,10 +343,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, meta.ops)
 
     @staticmethod
-    def _rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+    def _rope_cos_sin(
+        inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+    ) -> Rope:
         angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2], float32
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         # [T, 1, D/2]: broadcast over heads
-        return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32. Pass only the rows that need logits."""
