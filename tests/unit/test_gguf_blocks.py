@@ -20,6 +20,7 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_FACTORED,
     LAYOUT_INPUTS,
     LAYOUT_QUADS,
+    LAYOUT_QUADS_FACTORED,
     BlockFormat,
     Groups,
     QuantizedWeight,
@@ -141,6 +142,9 @@ KERNEL_CASES = [
     (2, 30, 64, "Q4_0"),
     (5, 11, 512, "Q4_K"),
     (130, 6, 256, "Q4_K"),
+    (1, 70, 1536, "Q4_K"),
+    (7, 33, 512, "Q4_K"),
+    (300, 40, 256, "Q4_K"),
     (1000, 40, 1536, "Q4_K"),
     (1, 9, 768, "Q5_K"),
     (64, 3, 256, "Q5_K"),
@@ -234,9 +238,11 @@ def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> N
     weight, expected = quad_weight(type_name, 37, 2 * _k(type_name), seed=tile_rows, tile_rows=tile_rows)
     fmt = FORMATS[type_name]
     assert weight.int8_activations and weight.type_summary() == f"{fmt.bits}bit/g{fmt.group}/x8"
-    if fmt.bits == 8:  # the K-quants keep their factored scales
-        factored = type_name.endswith("_K")
+    factored = type_name.endswith("_K")  # the K-quants keep their factored scales, 4-bit ones too
+    if fmt.bits == 8:
         assert weight.meta[0, 8] == (LAYOUT_BYTE_QUADS_FACTORED if factored else LAYOUT_BYTE_QUADS)
+    else:
+        assert weight.meta[0, 8] == (LAYOUT_QUADS_FACTORED if factored else LAYOUT_QUADS)
     assert torch.equal(weight.dequantize(), expected)
     ids = torch.tensor([36, 0, 17])
     assert torch.equal(weight.dequantize(ids), expected[ids])
@@ -249,6 +255,9 @@ Q8_CASES = [
     (300, 93, 576, "Q4_1"),
     (2, 30, 64, "Q4_0"),
     (130, 6, 256, "Q4_K"),
+    (1, 70, 1536, "Q4_K"),
+    (7, 33, 512, "Q4_K"),
+    (300, 40, 256, "Q4_K"),
     (1, 200, 512, "Q6_K"),
     (5, 70, 768, "Q6_K"),
     (300, 33, 256, "Q6_K"),
@@ -280,6 +289,31 @@ def test_int8_activation_kernel_against_rounded_activations_in_float64(
     half_steps = x.view(num_rows, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32) / 254  # s / 2 each
     bound = half_steps.reshape(num_rows, in_features).double() @ w.double().abs().T
     assert ((out - exact).abs() <= bound * 1.001 + 1e-5 * scale).all()
+
+
+def test_factored_quads_hold_a_k_quant_in_fewer_bytes_and_compute_the_same(kernel_variant) -> None:
+    """Q4_K in quads with its scales as int8 multipliers of a unit per super-block (layout 5) against the same
+    groups with fp32 scales (layout 1): about 4.75 bits a weight instead of 6, the same weights, the same outputs
+    bit for bit on every row count."""
+    width = kernel_variant.quant_tile_rows()
+    raw = random_blocks("Q4_K", 64, 1024, 11)
+    groups = to_groups("Q4_K", raw, 1024)
+    factored_w = QuantizedWeight.from_groups([groups], width, int8_activations=True)
+    plain_data = torch.from_numpy(pack_groups(groups, width, LAYOUT_QUADS))
+    plain_meta = factored_w.meta.clone()
+    plain_meta[0, 8] = LAYOUT_QUADS
+    assert factored_w.meta[0, 8] == LAYOUT_QUADS_FACTORED
+    assert factored_w.data.numel() * 8 / (64 * 1024) < 4.9 < plain_data.numel() * 8 / (64 * 1024)
+    assert torch.equal(factored_w.dequantize(), QuantizedWeight(plain_data, plain_meta).dequantize())
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(2))
+    for rows in (1, 2, 7, 64, 300):
+        a = kernel_variant.quant_linear(x[:rows], factored_w.data, factored_w.meta)
+        b = kernel_variant.quant_linear(x[:rows], plain_data, plain_meta)
+        assert torch.equal(a, b), rows
+    ids = torch.tensor([0, 63, 17])
+    assert torch.equal(
+        kernel_variant.quant_rows(factored_w.data, factored_w.meta, ids), factored_w.dequantize(ids)
+    )
 
 
 @pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 576), ("Q6_K", 512), ("Q5_0", 576)])

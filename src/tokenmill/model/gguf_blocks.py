@@ -45,6 +45,9 @@ the kernel that rounds the activations to 8 bits per group of 32 and multiplies 
 row j // 4 (low nibble) and row W/2 + j // 4 (high) at input j % 4 of the quad. The weights are the same fp32
 values (``dequantize`` reads both layouts); only the activations are rounded.
 
+Layout 5 (``int8_activations``, a K-quant's 4-bit parts: Q4_K) is layout 1's quads with layout 2's units and
+int8 multipliers: 4.75 bits a weight instead of 6 for the 8-bit-activation kernel too.
+
 Layouts 3 and 4 (``int8_activations``, the 8-bit formats whose codes lie in -32..31: Q6_K, Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K) are layout 0 and layout 2 with each group's codes reordered for the same kernel: in quads of 4 inputs, byte
 4c + j of a quad holding row c's code at input j plus :data:`BYTE_QUAD_BIAS` (0..63, an unsigned byte for the
@@ -62,7 +65,9 @@ import torch
 QK_K = 256  # weights per K-quant super-block
 LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_FACTORED = 0, 1, 2  # meta column 8
 LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED = 3, 4  # 8-bit codes in quads: layout 0's, layout 2's
-INT8_ACTIVATION_LAYOUTS = (LAYOUT_QUADS, LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED)
+LAYOUT_QUADS_FACTORED = 5  # 4-bit codes in quads (layout 1's) with layout 2's units and int8 multipliers
+INT8_ACTIVATION_LAYOUTS = (LAYOUT_QUADS, LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED, LAYOUT_QUADS_FACTORED)
+_FACTORED_LAYOUTS = (LAYOUT_FACTORED, LAYOUT_BYTE_QUADS_FACTORED, LAYOUT_QUADS_FACTORED)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
 
 
@@ -379,20 +384,17 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
     half = tile_rows // 2
     if layout in (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED) and not takes_byte_quads(groups):
         raise ValueError(f"byte quads take 8-bit codes in -32..31 and K a multiple of 32, not {fmt}")
-    if layout in (LAYOUT_FACTORED, LAYOUT_BYTE_QUADS_FACTORED):
-        return _pack_factored(groups, tiles, num_tiles, byte_quads=layout == LAYOUT_BYTE_QUADS_FACTORED)
+    if layout in (LAYOUT_QUADS, LAYOUT_QUADS_FACTORED) and fmt != BlockFormat(4, 32, True):
+        raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
+    if layout in _FACTORED_LAYOUTS:
+        return _pack_factored(groups, tiles, num_tiles, layout)
     fields = [tiles(groups.scale).transpose(0, 2, 1)]  # [tiles, G, tile_rows] float32
     if fmt.has_min:
         assert groups.min is not None
         fields.append(tiles(groups.min.astype(np.float32)).transpose(0, 2, 1))
     heads = [np.ascontiguousarray(f).view(np.uint8) for f in fields]  # [tiles, G, 4 * tile_rows] each
     if layout == LAYOUT_QUADS:
-        if fmt != BlockFormat(4, 32, True):
-            raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
-        quads = tiles(groups.codes).reshape(num_tiles, tile_rows, num_groups, 8, 4)  # [T, W, G, quad, input]
-        quads = quads.transpose(0, 2, 3, 1, 4)  # [T, G, quad, W, 4]
-        packed = quads[:, :, :, :half] | (quads[:, :, :, half:] << 4)  # byte 4r + i: rows r and r + W/2
-        codes = np.ascontiguousarray(packed).reshape(num_tiles, num_groups, -1)
+        codes = _nibble_quads(tiles(groups.codes))
         return np.concatenate([*heads, codes], axis=-1).reshape(-1)
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [tiles, G, group, tile_rows]: the rows of one input
     if layout == LAYOUT_BYTE_QUADS:
@@ -401,6 +403,15 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
     return np.concatenate([*heads, codes], axis=-1).reshape(-1)  # [tiles, G, group bytes]
+
+
+def _nibble_quads(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes ``[T, W, G, 32]`` -> the quad layout's bytes ``[T, G, 16 W]``: per group 8 quads of 4 inputs,
+    byte 4r + i of a quad holding row r (low nibble) and row r + W/2 (high) at input i."""
+    t, w, g = codes.shape[:3]
+    quads = codes.reshape(t, w, g, 8, 4).transpose(0, 2, 3, 1, 4)  # [T, G, quad, W, 4]
+    packed = quads[:, :, :, : w // 2] | (quads[:, :, :, w // 2 :] << 4)
+    return np.ascontiguousarray(packed).reshape(t, g, -1)
 
 
 def _multipliers(values: np.ndarray, unit: np.ndarray, per_super: int) -> np.ndarray | None:
@@ -448,11 +459,11 @@ def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
 
 
 def _pack_factored(  # type: ignore[no-untyped-def]
-    groups: Groups, tiles, num_tiles: int, byte_quads: bool = False
+    groups: Groups, tiles, num_tiles: int, layout: int = LAYOUT_FACTORED
 ) -> np.ndarray:
     """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp32 units (scale, then min), then per
-    group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them (layout 4,
-    ``byte_quads``: as layout 3 stores them)."""
+    group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them (layout 4:
+    as layout 3 stores them; layout 5: as layout 1 does)."""
     pairs = _factors(groups)
     if pairs is None:
         raise ValueError("these groups' scales are not a unit per super-block times int8 multipliers")
@@ -466,7 +477,9 @@ def _pack_factored(  # type: ignore[no-untyped-def]
     )  # [T, S, 4W per field]
     mults = [tiles(m).transpose(0, 2, 1).view(np.uint8) for _, m in pairs]  # [T, G, W] each
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [T, G, group, W]
-    if byte_quads:
+    if layout == LAYOUT_QUADS_FACTORED:
+        codes = _nibble_quads(tiles(groups.codes))
+    elif layout == LAYOUT_BYTE_QUADS_FACTORED:
         codes = _byte_quads(codes)
     elif fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
@@ -522,7 +535,7 @@ class QuantizedWeight:
             if g.codes.shape[1] * g.fmt.group != in_features:
                 raise ValueError("stacked quantized parts must have the same number of input features")
             if int8_activations and g.fmt == BlockFormat(4, 32, True):
-                layout = LAYOUT_QUADS
+                layout = LAYOUT_QUADS_FACTORED if factored(g) else LAYOUT_QUADS
             elif int8_activations and takes_byte_quads(g):
                 layout = LAYOUT_BYTE_QUADS_FACTORED if factored(g) else LAYOUT_BYTE_QUADS
             else:
@@ -553,12 +566,8 @@ class QuantizedWeight:
         out = []
         for offset, n, k, bits, group, has_min, _, width, layout in self.meta.tolist():
             num_groups, num_tiles = k // group, -(-n // width)
-            if layout in (LAYOUT_FACTORED, LAYOUT_BYTE_QUADS_FACTORED):
-                out.append(
-                    self._dequantize_factored(
-                        offset, n, k, bits, group, has_min, width, layout == LAYOUT_BYTE_QUADS_FACTORED
-                    )
-                )
+            if layout in _FACTORED_LAYOUTS:
+                out.append(self._dequantize_factored(offset, n, k, bits, group, has_min, width, layout))
                 continue
             head = (2 if has_min else 1) * 4 * width
             group_bytes = head + group * width * bits // 8
@@ -566,12 +575,8 @@ class QuantizedWeight:
             tiles = tiles.view(num_tiles, num_groups, group_bytes)
             scale = tiles[..., : 4 * width].contiguous().view(torch.float32)[:, :, None, :]  # [T, G, 1, W]
             codes = tiles[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
-            if (
-                layout == LAYOUT_QUADS
-            ):  # [T, G, quad, W/2, 4] bytes -> codes [T, G, quad, W, 4] -> [T, G, 32, W]
-                quads = tiles[..., head:].reshape(num_tiles, num_groups, 8, width // 2, 4)
-                q = torch.cat([quads & 15, quads >> 4], dim=3).permute(0, 1, 2, 4, 3)
-                q = q.reshape(num_tiles, num_groups, group, width).float()
+            if layout == LAYOUT_QUADS:
+                q = _from_nibble_quads(tiles[..., head:], width)
             elif layout == LAYOUT_BYTE_QUADS:
                 q = _from_byte_quads(tiles[..., head:], group, width)
             elif bits == 4:
@@ -588,7 +593,7 @@ class QuantizedWeight:
         return full if rows is None else full[rows]
 
     def _dequantize_factored(
-        self, offset: int, n: int, k: int, bits: int, group: int, has_min: int, width: int, byte_quads: bool
+        self, offset: int, n: int, k: int, bits: int, group: int, has_min: int, width: int, layout: int
     ) -> torch.Tensor:
         """One layout-2 part as fp32 ``[n, k]``: scale = unit * multiplier (exact), then as layout 0."""
         num_groups, num_tiles = k // group, -(-n // width)
@@ -606,7 +611,9 @@ class QuantizedWeight:
         factor = factor.reshape(num_tiles, num_groups, 1, fields * width)
         scale = factor[..., :width]  # [T, G, 1, W]
         codes = grps[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
-        if byte_quads:
+        if layout == LAYOUT_QUADS_FACTORED:
+            q = _from_nibble_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), width)
+        elif layout == LAYOUT_BYTE_QUADS_FACTORED:
             q = _from_byte_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), group, width)
         elif bits == 4:
             q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
@@ -614,6 +621,14 @@ class QuantizedWeight:
             q = codes.contiguous().view(torch.int8).float()
         w = torch.addcmul(factor[..., width:], q, scale) if has_min else q * scale
         return w.permute(0, 3, 1, 2).reshape(num_tiles * width, k)[:n]  # [T, W, G, group] -> rows
+
+
+def _from_nibble_quads(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Quad-layout 4-bit codes ``[T, G, 16 W]`` (uint8) -> codes ``[T, G, 32, W]`` as floats."""
+    t, g = raw.shape[:2]
+    quads = raw.reshape(t, g, 8, width // 2, 4)  # [T, G, quad, W/2, 4]
+    q = torch.cat([quads & 15, quads >> 4], dim=3).permute(0, 1, 2, 4, 3)  # [T, G, quad, 4, W]
+    return q.reshape(t, g, 32, width).float()
 
 
 def _from_byte_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:

@@ -20,7 +20,8 @@
 // one panel row of panel_linear: two vectors of weights, with no transpose. A matrix is one or more parts
 // stacked along N (a fused qkv whose v is Q6_K and q, k Q4_K), each with its own format: `meta` [P, 9] int64
 // rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows, layout). Layout 0 is the one
-// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below), layouts
+// above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below; layout 5 is
+// layout 1 with layout 2's factored scales), layouts
 // 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
 // and mins as int8 multipliers of per-super-block fp32 units (Fmt's kFactored): the same values in fewer bytes.
@@ -351,39 +352,32 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
     for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile, g, d, row);
 }
 
-// The 4-bit format in its quad layout (meta layout 1), for 8-bit activations: per group, the kPanel scales and
-// mins, then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4 (low nibble) and
-// row kPanel / 2 + j / 4 (high nibble) at input 4u + j % 4. One load and two masks give simd::qdot its operands.
-struct Q4Quad {
-  static constexpr int kGroup = 32;
+// The 4-bit format in its quad layout (meta layouts 1 and 5), for 8-bit activations: per group, the kPanel scales
+// and mins (layout 5: a K-quant's, as layout 2 keeps them: int8 multipliers of per-super-block units, 4.75 bits a
+// weight instead of 6), then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4
+// (low nibble) and row kPanel / 2 + j / 4 (high nibble) at input 4u + j % 4. One load and two masks give simd::qdot
+// its operands.
+template <bool kFactored>
+struct Q4QuadT : Fmt<4, 32, true, kFactored> {
+  using Base = Fmt<4, 32, true, kFactored>;
   static constexpr int kNumQuads = 8;
-  static constexpr bool kHasMin = true;
   static constexpr int32_t kBias = 0;  // codes stored as they are
-  static constexpr int64_t kHead = 2 * kPanel * 4;
   static constexpr int64_t kQuadBytes = 2 * kPanel;
-  static constexpr int64_t kGroupBytes = kHead + 8 * kQuadBytes;
-  static const uint8_t* group(const uint8_t* tile, int64_t g) { return tile + g * kGroupBytes; }
-  static void prefetch(const uint8_t* tile, int64_t g) { prefetch_group(group(tile, g), kGroupBytes); }
-  static typename Fmt<4, 32, true>::Params params(const uint8_t* tile, int64_t g) {
-    const float* f = reinterpret_cast<const float*>(group(tile, g));
-    return {simd::load(f), simd::load(f + simd::kLanes), simd::load(f + kPanel), simd::load(f + kPanel + simd::kLanes)};
-  }
+  static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and 8 quads");
   // quad u's codes: tile rows 0 .. kLanes - 1 (low nibbles) and kLanes .. kPanel - 1 (high)
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
-    simd::q4_quad(grp + kHead + u * kQuadBytes, w0, w1);
+    simd::q4_quad(grp + Base::kHead + u * kQuadBytes, w0, w1);
   }
   using Acc = simd::QAcc;  // int16 pairs on AVX2: 8 quads of codes below 16 cannot overflow them
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot(a, w, x); }
   static simd::Vec to_float(Acc a, int32_t) { return simd::qacc_to_float(a); }
   static float weight(const uint8_t* tile, int64_t group, int64_t d, int64_t r) {  // as Fmt::weight's value
-    const uint8_t* g = tile + group * kGroupBytes;
-    const float* f = reinterpret_cast<const float*>(g);
     const int64_t half = kPanel / 2;
-    const uint8_t byte = g[kHead + (d / 4) * kQuadBytes + 4 * (r % half) + d % 4];
-    const float q = static_cast<float>(r < half ? byte & 15 : byte >> 4);
-    return std::fma(q, f[r], f[kPanel + r]);
+    const uint8_t byte = Base::group(tile, group)[Base::kHead + (d / 4) * kQuadBytes + 4 * (r % half) + d % 4];
+    return Base::scaled(tile, group, r, static_cast<float>(r < half ? byte & 15 : byte >> 4));
   }
 };
+using Q4Quad = Q4QuadT<false>;
 
 // Byte codes in quads, for 8-bit activations (meta layouts 3 and 4: layout 0's or layout 2's scales, mins and
 // super-block units, with the codes of each group reordered; quantization="gguf-q8" on the 8-bit formats whose
@@ -599,18 +593,27 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     p.rows = rows, p.col = col, p.num_groups = k / group, p.group = group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
     const bool byte_quads = (layout == 3 || layout == 4) && bits == 8 && (group == 16 || group == 32) && k % 32 == 0;
-    TORCH_CHECK(layout == 0 || (layout == 1 && bits == 4 && group == 32 && has_min) ||
+    const bool nibble_quads = (layout == 1 || layout == 5) && bits == 4 && group == 32 && has_min;
+    TORCH_CHECK(layout == 0 || (layout == 1 && nibble_quads) || (layout == 5 && nibble_quads && k % 256 == 0) ||
                     ((layout == 2 || layout == 4) && k % 256 == 0) || (layout == 3 && byte_quads),
                 "part ", i, ": layout ", layout,
                 " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256;"
-                " 3, 4: byte quads of 8-bit groups of 16 or 32, K a multiple of 32, 4 factored as 2)");
-    TORCH_CHECK(layout < 3 || byte_quads, "part ", i, ": byte quads take 8-bit groups of 16 or 32, K a multiple of 32");
-    const bool factored = layout == 2 || layout == 4;
-    if (layout == 1) {
+                " 3, 4: byte quads of 8-bit groups of 16 or 32, K a multiple of 32, 4 factored as 2; 5: layout 1"
+                " factored as 2)");
+    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i,
+                ": byte quads take 8-bit groups of 16 or 32, K a multiple of 32");
+    const bool factored = layout == 2 || layout == 4 || layout == 5;
+    if (nibble_quads) {
       q.has_q8 = true;
-      p.q8_rows = &q8_rows<Q4Quad>;
-      p.tile_weights = &tile_weights<Q4Quad>;
-      p.tile_bytes = p.num_groups * Q4Quad::kGroupBytes;
+      if (factored) {
+        p.q8_rows = &q8_rows<Q4QuadT<true>>;
+        p.tile_weights = &tile_weights<Q4QuadT<true>>;
+        p.tile_bytes = Q4QuadT<true>::tile_bytes(p.num_groups);
+      } else {
+        p.q8_rows = &q8_rows<Q4Quad>;
+        p.tile_weights = &tile_weights<Q4Quad>;
+        p.tile_bytes = Q4Quad::tile_bytes(p.num_groups);
+      }
     } else if (byte_quads) {
       q.has_q8 = true;
       set_byte_quads(p, group, has_min, factored);
