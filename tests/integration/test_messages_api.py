@@ -170,7 +170,6 @@ def test_errors_are_anthropic_shaped(server: ServerProcess, served: str) -> None
         ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
-        ({"output_config": {"effort": "high"}}, "output_config.effort"),
         ({"speed": "fast"}, "speed"),
         ({"container": "c1"}, "container"),
         ({"stop_sequences": ["x"] * 17}, "stop_sequences"),
@@ -190,6 +189,12 @@ def test_errors_are_anthropic_shaped(server: ServerProcess, served: str) -> None
         refusals = [line for line in log if "/v1/messages -> 400" in line]
     for _, param in cases:
         assert any(param in line for line in refusals), (param, refusals)
+    # effort, as Anthropic refuses it for a model without the parameter (Claude Code resends without it on these words)
+    r = httpx.post(
+        url, json={**ok, "output_config": {"effort": "high"}}, headers={"x-api-key": KEY}, timeout=30
+    )
+    assert r.status_code == 400 and r.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "This model does not support the effort parameter."}}  # fmt: skip
     with pytest.raises(anthropic.NotFoundError):
         anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0).messages.create(
             model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
@@ -204,3 +209,19 @@ def test_structured_output_config(client: anthropic.Anthropic, served: str) -> N
         output_config={"format": {"type": "json_schema", "schema": schema}},
     )  # fmt: skip
     assert isinstance(json.loads(m.content[0].text)["city"], str)  # type: ignore[union-attr]
+
+
+def test_claude_code_hints_are_accepted(server: ServerProcess, served: str) -> None:
+    """A system turn inside messages (a system message there) and thinking.display (nothing to display: this model
+    does not think), as Claude Code sends them."""
+    body = {"model": served, "max_tokens": 4, "thinking": {"type": "adaptive", "display": "updates"},
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                         {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Again"}]}  # fmt: skip
+    r = httpx.post(f"{server.base_url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    count = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "max_tokens"},
+                       headers={"x-api-key": KEY}, timeout=60)  # fmt: skip
+    without = {**body, "messages": [m for m in body["messages"] if m["role"] != "system"]}
+    fewer = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json={k: v for k, v in without.items() if k != "max_tokens"},
+                       headers={"x-api-key": KEY}, timeout=60)  # fmt: skip
+    assert count.json()["input_tokens"] > fewer.json()["input_tokens"]  # the system turn is in the prompt

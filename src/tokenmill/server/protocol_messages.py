@@ -22,6 +22,8 @@ from tokenmill.server.protocol import (
     validation_error_to_param,
 )
 
+EFFORT_UNSUPPORTED = "This model does not support the effort parameter."
+
 
 class TextBlock(_Request):
     type: Literal["text"]
@@ -60,7 +62,7 @@ Block = TextBlock | ToolUseBlock | ToolResultBlock
 
 
 class MessageParam(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # a system turn inside messages (Claude Code sends one)
     content: str | list[dict[str, Any]]
 
     def blocks(self, where: str) -> list[Block]:
@@ -128,7 +130,8 @@ class Thinking(_Request):
     with a budget asks for extended thinking, which needs a model that thinks."""
 
     type: Literal["disabled", "adaptive"]
-    display: Literal["summarized", "omitted"] | None = None
+    # how thinking would be shown ("summarized", "omitted", Claude Code's "updates"): there is none to show here
+    display: str | None = None
 
 
 class OutputFormat(_Request):
@@ -140,7 +143,8 @@ class OutputConfig(_Request):
     format: OutputFormat | None = (
         None  # structured outputs, through the same constraint path as the chat route
     )
-    effort: None = None  # effort levels are for models that think
+    # effort levels are for models that think: refused as Anthropic refuses them for a model without the parameter
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class _MessagesBase(_Request):
@@ -178,6 +182,9 @@ class _MessagesBase(_Request):
                                   "function": {"name": block.name, "arguments": json.dumps(block.input)}})  # fmt: skip
                 else:
                     texts.append(block.text)
+            if message.role == "system":  # a system turn in the conversation: its text as a system message
+                out.append({"role": "system", "content": "".join(texts)})
+                continue
             if texts or calls:
                 entry: dict[str, Any] = {"role": message.role, "content": "".join(texts) if texts else None}
                 if calls:
@@ -188,6 +195,9 @@ class _MessagesBase(_Request):
         return out
 
     def chat_body(self) -> dict[str, Any]:
+        if self.output_config is not None and self.output_config.effort is not None:
+            # Anthropic's words for a model without effort (clients' fallbacks resend without the field on them)
+            raise ParamError(EFFORT_UNSUPPORTED, param="output_config.effort")
         tools = [t.chat_tool() for t in self.function_tools()]
         response_format = None
         if self.output_config is not None and self.output_config.format is not None:
