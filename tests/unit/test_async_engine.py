@@ -480,3 +480,41 @@ def test_app_failure_mid_stream_is_an_error_event_then_done() -> None:
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     assert after.status_code == 503 and after.json()["error"]["type"] == "server_error"
     assert health.status_code == 503
+
+
+def test_a_model_alias_is_served_and_other_names_are_404() -> None:
+    ae = AsyncEngine(FakeEngine())
+    ae.start()
+    try:
+        app = build_app(ae, "fake-model", model_aliases=["fake-pulled-name"])
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+        async def go() -> list[int]:
+            out = []
+            for name in ("fake-model", "fake-pulled-name", "other"):
+                body = {"model": name, "prompt": "hi", "max_tokens": 2}
+                out.append((await client.post("/v1/completions", json=body)).status_code)
+            return out
+
+        assert run(go()) == [200, 200, 404]
+    finally:
+        ae.stop()
+
+
+def test_the_pulled_name_and_the_files_own_are_aliases(tmp_path, monkeypatch) -> None:
+    from tokenmill import models
+    from tokenmill.server.launch import model_aliases
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    entry = models.CATALOGUE["all-minilm-l6-v2"]
+    folder = models.model_path(entry.name)
+    folder.mkdir(parents=True)
+    assert model_aliases(str(folder), "all-MiniLM-L6-v2", str(folder)) == [
+        "all-MiniLM-L6-v2",
+        "all-minilm-l6-v2",
+    ]
+    assert model_aliases(str(folder), "all-MiniLM-L6-v2", "all-minilm-l6-v2") == [
+        "all-MiniLM-L6-v2",
+        "all-minilm-l6-v2",
+    ]
+    assert model_aliases(str(tmp_path / "elsewhere.gguf"), "elsewhere", None) == ["elsewhere"]

@@ -60,6 +60,7 @@ def build_app(
     tool_call_parser: str = "hermes",
     response_store: ResponseStore | None = None,
     enable_per_request_metrics: bool = False,
+    model_aliases: Sequence[str] = (),
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
@@ -85,6 +86,7 @@ def build_app(
         tool_call_parser=tool_call_parser,
         response_store=ResponseStore() if response_store is None else response_store,
         enable_per_request_metrics=enable_per_request_metrics,
+        model_aliases=frozenset(model_aliases),
     )
 
     if getattr(async_engine, "metrics", None) is not None:

@@ -48,6 +48,9 @@ class ServerState:
     tool_call_parser: str = "hermes"
     response_store: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's store: true
     enable_per_request_metrics: bool = False  # a `metrics` object with each response (RequestMetrics.as_json)
+    model_aliases: frozenset[str] = (
+        frozenset()
+    )  # other names requests may use: the pulled name, the file's own
 
 
 MAX_CHARS_PER_TOKEN = 32  # text past this many characters per token of context could never be a prompt
@@ -286,7 +289,7 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name:
+    if model is not None and model != state.served_model_name and model not in state.model_aliases:
         raise ApiError(
             404, f"The model `{model}` does not exist.", type="invalid_request_error", param="model",
             code="model_not_found",

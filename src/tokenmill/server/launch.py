@@ -185,6 +185,23 @@ def _add_ray_arguments(r: Any) -> None:
     r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="with --ray: Ray CPUs per replica")
 
 
+def model_aliases(source: str, file_name: str, asked: str | None) -> list[str]:
+    """Names a request may use besides the served one: the model's own (its file's or directory's) and the name
+    ``tokenmill pull`` knows it by (``all-minilm-l6-v2`` for the directory ``all-MiniLM-L6-v2``)."""
+    from pathlib import Path
+
+    from tokenmill import models
+
+    names = [file_name]
+    if asked in models.CATALOGUE:
+        names.append(asked)
+    for name in models.CATALOGUE:
+        path = models.pulled_path(name)
+        if path is not None and Path(source).resolve() == path.resolve():
+            names.append(name)
+    return list(dict.fromkeys(names))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build everything from ``args`` and serve until a signal; 0 after a clean shutdown."""
     if (
@@ -287,6 +304,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         tool_call_parser=args.tool_call_parser,
         response_store=response_store_from_args(args),
         enable_per_request_metrics=args.enable_per_request_metrics,
+        model_aliases=model_aliases(engine.loaded.source, engine.model_name, args.model),
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",

@@ -95,6 +95,7 @@ def build_deployment(
             from tokenmill.server.metrics import ServerMetrics
 
             engine = Engine(EngineConfig(**engine_kwargs))
+            self.engine_source, self.engine_model_name = engine.loaded.source, engine.model_name
             self.served_name = served_model_name or engine.model_name
             self.async_engine = AsyncEngine(
                 engine, max_queue=max_queue, metrics=ServerMetrics(self.served_name)
@@ -109,6 +110,7 @@ def build_deployment(
         def __serve_build_asgi_app__(self) -> Any:
             from tokenmill.model.gguf_loader import default_cache_dir
             from tokenmill.server.app import build_app
+            from tokenmill.server.launch import model_aliases
             from tokenmill.server.response_store import open_response_store
 
             store = open_response_store(
@@ -117,6 +119,9 @@ def build_deployment(
             app = build_app(
                 self.async_engine, self.served_name, list(api_keys), response_store=store,
                 enable_per_request_metrics=enable_per_request_metrics,
+                model_aliases=model_aliases(
+                    self.engine_source, self.engine_model_name, engine_kwargs.get("model")
+                ),
             )  # fmt: skip
             return _ReplicaHeader(app, self.tag)
 
