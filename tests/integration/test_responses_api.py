@@ -98,6 +98,12 @@ def test_previous_response_id_continues_and_counts_cached_tokens(client: openai.
     ]
     whole = client.responses.create(model=served, input=items, max_output_tokens=12, temperature=0)
     assert whole.output_text == second.output_text
+    # the first turn's output items re-sent as the SDK dumps them (id, status, phase, annotations, logprobs)
+    dumped = [item.model_dump() for item in first.output]
+    assert all("phase" in item for item in dumped)
+    replayed = [items[0], *dumped, items[2]]
+    again = client.responses.create(model=served, input=replayed, max_output_tokens=12, temperature=0)
+    assert again.output_text == second.output_text
     assert client.responses.retrieve(second.id).output_text == second.output_text
 
 

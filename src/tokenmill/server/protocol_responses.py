@@ -57,6 +57,8 @@ class MessageItem(_Request):
     status: str | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText | OutputText | Refusal]
+    # an output message's label, as the SDK's model_dump() of it sends it back: asks for nothing
+    phase: Literal["commentary", "final_answer"] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
