@@ -267,7 +267,7 @@ def test_logprobs_through_include(client: openai.OpenAI, served: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"background": True}, "background"),
@@ -356,3 +356,24 @@ def test_codex_cli_request_shape_is_accepted(server: ServerProcess, served: str)
     events = _raw_events(server, body)
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     assert not any(item["type"] == "reasoning" for item in events[-1]["response"]["output"])  # type: ignore[index]
+
+
+def test_a_namespace_call_comes_back_with_its_namespace(server: ServerProcess, served: str) -> None:
+    """Codex CLI's shape: a namespace of functions and web_search. The forced call names the function and its
+    namespace apart; web_search, which the model can do without, is dropped and the header says so."""
+    tool = {"type": "function", "name": "read_file", "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}  # fmt: skip
+    body = {"model": served, "input": "Read the file notes.txt.", "max_output_tokens": 100, "temperature": 0,
+            "tool_choice": "required",
+            "tools": [{"type": "namespace", "name": "mcp__fs", "description": "Files.", "tools": [tool]},
+                      {"type": "web_search"}]}  # fmt: skip
+    r = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-tokenmill-dropped-tools"] == "web_search"
+    (call,) = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert call["name"] == "read_file" and call["namespace"] == "mcp__fs"
+    # the call replayed as the client keeps it, with its output: the conversation continues
+    follow = {**body, "tool_choice": "auto", "input": [
+        {"role": "user", "content": "Read the file notes.txt."}, call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "buy milk"}]}  # fmt: skip
+    assert httpx.post(f"{server.base_url}/v1/responses", json=follow, timeout=120).status_code == 200

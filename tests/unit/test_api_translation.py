@@ -71,7 +71,11 @@ def test_responses_history_comes_before_the_input_and_instructions_first() -> No
             "input[0].content[0].type",
         ),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
-        ({"input": "x", "tools": [{"type": "file_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "file_search"}], "tool_choice": "required"}, "tools[0].type"),
+        (
+            {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+            "tools[0].tools[0].type",
+        ),
         ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"input": "x", "include": ["computer_call_output.output.image_url"]}, "include"),
         ({}, "input"),
@@ -196,3 +200,26 @@ def test_whole_prompt_admission_without_chunked_prefill() -> None:
     assert kv.num_free_blocks == 64
     with pytest.raises(BadRequestError, match="not chunked"):
         sched.add_request(Request("d", list(range(1, 12)), params))
+
+
+def test_namespace_tools_are_qualified_functions_and_built_in_tools_optional_are_dropped() -> None:
+    """Codex CLI's default tools: a namespace of functions and web_search under tool_choice auto."""
+    shell = {"type": "function", "name": "exec", "parameters": {"type": "object", "properties": {}}}
+    req = responses(
+        input=[
+            {"role": "user", "content": "list files"},
+            {"type": "function_call", "call_id": "c1", "name": "exec", "namespace": "mcp__shell", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+        ],
+        tools=[{"type": "namespace", "name": "mcp__shell", "description": "a shell", "tools": [shell]},
+               {"type": "web_search"}],
+        tool_choice="auto",
+    )  # fmt: skip
+    offered = req.offered_tools()
+    assert [t.name for t in offered.functions] == ["mcp__shell__exec"]
+    assert offered.namespaces == {"mcp__shell__exec": ("mcp__shell", "exec")} and offered.dropped == [
+        "web_search"
+    ]
+    chat = to_chat(req, [])
+    assert [t.function.name for t in chat.tools or []] == ["mcp__shell__exec"]
+    assert chat.messages[1].tool_calls[0].function.name == "mcp__shell__exec"  # the history's call, qualified

@@ -10,6 +10,7 @@ decided in one place (``routes_chat.plan_chat``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
@@ -73,6 +74,10 @@ class FunctionCallItem(_Request):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # a namespace tool's function (the model knew it as <namespace>__<name>)
+
+    def qualified_name(self) -> str:
+        return self.name if self.namespace is None else f"{self.namespace}__{self.name}"
 
 
 class FunctionCallOutputItem(_Request):
@@ -135,6 +140,31 @@ class FunctionTool(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class NamespaceTool(_Request):
+    """Function tools grouped under a name (Codex CLI's MCP servers): offered to the model as functions named
+    ``<namespace>__<name>``, and a call to one comes back as a ``function_call`` with ``name`` and ``namespace``."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    tools: list[dict[str, Any]]
+
+
+NAMESPACE_SEPARATOR = "__"
+
+
+@dataclass
+class OfferedTools:
+    """A request's tools as the model sees them: function tools (a namespace's under qualified names), which
+    qualified name is which namespace's function, and the built-in tools dropped (optional under tool_choice)."""
+
+    functions: list[FunctionTool] = field(default_factory=list)
+    namespaces: dict[str, tuple[str, str]] = field(
+        default_factory=dict
+    )  # qualified name -> (namespace, name)
+    dropped: list[str] = field(default_factory=list)
 
 
 class NamedFunctionChoice(_Request):
@@ -237,10 +267,38 @@ class ResponsesRequest(_Request):
         return value
 
     def function_tools(self) -> list[FunctionTool]:
-        return validate_tools(
-            self.tools, FunctionTool, ("function",),
-            "tokenmill runs function tools only; built-in tools such as web_search are OpenAI's", "tools[{i}]",
-        )  # fmt: skip
+        return self.offered_tools().functions
+
+    def offered_tools(self) -> OfferedTools:
+        """Function and namespace tools as functions; a built-in tool (``web_search`` and the like, run on OpenAI's
+        side) is dropped where the model may answer without it (``tool_choice`` not ``"required"``, or other tools
+        offered), else refused naming it."""
+        out = OfferedTools()
+        hosted = []
+        for i, raw in enumerate(self.tools or []):
+            kind = raw.get("type") if isinstance(raw, dict) else None
+            where = f"tools[{i}]"
+            if kind == "function":
+                out.functions += validate_tools([raw], FunctionTool, ("function",), "", where)
+            elif kind == "namespace":
+                (space,) = validate_tools([raw], NamespaceTool, ("namespace",), "", where)
+                refusal = "a namespace holds function tools"
+                for fn in validate_tools(
+                    space.tools, FunctionTool, ("function",), refusal, where + ".tools[{i}]"
+                ):
+                    qualified = f"{space.name}{NAMESPACE_SEPARATOR}{fn.name}"
+                    out.namespaces[qualified] = (space.name, fn.name)
+                    out.functions.append(fn.model_copy(update={"name": qualified}))
+            else:
+                hosted.append((where, kind))
+        for where, kind in hosted:
+            if self.tool_choice == "required" and not out.functions:
+                raise ParamError(
+                    f"{where}.type: tool type {kind!r} is not supported (tokenmill runs function tools only; "
+                    "built-in tools such as web_search are OpenAI's)", param=f"{where}.type",
+                )  # fmt: skip
+            out.dropped.append(str(kind))
+        return out
 
     def check(self) -> None:
         """What the pydantic fields cannot say; ParamError naming the field."""
@@ -286,7 +344,7 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                    "function": {"name": item.qualified_name(), "arguments": item.arguments}}  # fmt: skip
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)

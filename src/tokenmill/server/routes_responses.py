@@ -80,8 +80,14 @@ async def create_response(request: Request) -> Response:
     )  # fmt: skip
     conversation = [item.model_dump(exclude_none=True) for item in history + req.input_items()]
     view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(request))
-    return await respond(request, state, view, group, bool(req.stream))
+    response = await respond(request, state, view, group, bool(req.stream))
+    dropped = req.offered_tools().dropped
+    if dropped and isinstance(response, Response):  # built-in tools the model answered without
+        response.headers[DROPPED_TOOLS_HEADER] = ",".join(dropped)
+    return response
 
+
+DROPPED_TOOLS_HEADER = "x-tokenmill-dropped-tools"  # built-in tools (web_search ...) left out as optional
 
 # chat fields a translated request may be refused under -> the Responses field the client sent
 _CHAT_TO_RESPONSES = {
@@ -212,7 +218,9 @@ class _ResponsesView:
         self.created_at = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
         self.conversation = conversation
-        self.tool_names = {t.name for t in req.function_tools()} if req.tool_choice != "none" else set()
+        offered = req.offered_tools()
+        self.tool_names = {t.name for t in offered.functions} if req.tool_choice != "none" else set()
+        self.namespaces = offered.namespaces  # qualified name -> (namespace, name)
         self.parser = state.tool_call_parser
         self.sequence_number = 0
         # streaming state
@@ -255,7 +263,7 @@ class _ResponsesView:
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             previous_response_id=req.previous_response_id, store=req.store is not False,
             temperature=req.temperature, text={"format": fmt}, tool_choice=tool_choice,
-            tools=[t.model_dump(exclude_none=True) for t in req.function_tools()], top_p=req.top_p,
+            tools=[t for t in req.tools or [] if t.get("type") in ("function", "namespace")], top_p=req.top_p,
             top_logprobs=req.top_logprobs, usage=usage, user=req.user, metadata=req.metadata or {},
         )  # fmt: skip
 
@@ -275,12 +283,18 @@ class _ResponsesView:
             "content": [part],
         }
 
-    @staticmethod
-    def call_item(call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
-        return {
+    def call_item(self, call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+        item = {
             "type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
-            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status,
+            "name": self.call_name(call), "arguments": call.arguments if arguments is None else arguments,
+            "status": status,
         }  # fmt: skip
+        if call.name in self.namespaces:  # a namespace tool's function: its own name and its namespace
+            item["namespace"] = self.namespaces[call.name][0]
+        return item
+
+    def call_name(self, call: Any) -> str:
+        return self.namespaces[call.name][1] if call.name in self.namespaces else str(call.name)
 
     def logprobs(self, token_ids: list[int], entries: list[Logprob]) -> list[dict[str, Any]]:
         out = []
@@ -399,7 +413,7 @@ class _ResponsesView:
             out.append(self.sse("response.function_call_arguments.delta", item_id=item["id"],
                                 output_index=index, delta=call.arguments))  # fmt: skip
             out.append(self.sse("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=index, name=call.name, arguments=call.arguments))  # fmt: skip
+                                output_index=index, name=self.call_name(call), arguments=call.arguments))  # fmt: skip
             out.append(self.sse("response.output_item.done", output_index=index, item=item))
             output.append(item)
         response = self.response_object("completed", output, num_completion_tokens, self.finish_reason)
