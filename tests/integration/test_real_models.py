@@ -63,7 +63,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(name: str) -> None:
     from tokenmill.sampling_params import SamplingParams
 
     model_path = models.pull(name, progress=False, log=lambda s: None)
-    loaded = load_model(str(model_path), device="cpu")
+    loaded = load_model(str(model_path), device="cpu", quantization="gguf")  # the exact path, to compare
     assert loaded.quantization == "gguf"
     hf_tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
     ids = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
