@@ -89,9 +89,11 @@ def _run_info(args: argparse.Namespace) -> int:
         from tokenmill.model.loader import load_model
 
         loaded = load_model(args.model, device="cpu", quantization=args.quantization)
-        from tokenmill.model.quant import weight_breakdown
+        from tokenmill.model.quant import decode_read_bytes, weight_breakdown
 
         info["model"] = {
+            "decode_read_bytes": decode_read_bytes(loaded.model),
+            "file_step_bytes": _file_step_bytes(loaded.source),
             "source": loaded.source,
             "quantization": loaded.quantization,
             "weight_bytes": loaded.weight_bytes,
@@ -102,6 +104,15 @@ def _run_info(args: argparse.Namespace) -> int:
         }
     print(system_info.render(info, as_json=args.json))
     return 0
+
+
+def _file_step_bytes(source: str) -> int | None:
+    """A GGUF's tensor bytes other than the token embedding's (None for another kind of file)."""
+    if not source.endswith(".gguf"):
+        return None
+    from tokenmill.model.gguf_loader import GGUFFile
+
+    return GGUFFile(source).step_bytes()
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -62,6 +62,15 @@ def render(info: dict[str, Any], as_json: bool = False) -> str:
         compute = info["model"].get("compute") or {}
         if compute:
             lines.append("compute: " + ", ".join(f"{key} {value}" for key, value in compute.items()))
+        step, file_step = info["model"].get("decode_read_bytes"), info["model"].get("file_step_bytes")
+        if step:
+            line = f"a decode step reads {step / 1e6:.1f} MB of weights"
+            if file_step:
+                line += (
+                    f"; the file's tensors other than the token embedding: {file_step / 1e6:.1f} MB "
+                    f"({step / file_step:.3f}x)"
+                )
+            lines.append(line)
         breakdown = info["model"].get("weight_breakdown_bytes") or {}
         for kind, nbytes in sorted(breakdown.items(), key=lambda kv: -kv[1]):
             if kind != "mapped":

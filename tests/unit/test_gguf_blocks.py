@@ -21,6 +21,8 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_INPUTS,
     LAYOUT_QUADS,
     LAYOUT_QUADS_FACTORED,
+    LAYOUT_SIX_BIT_QUADS,
+    LAYOUT_SIX_BIT_QUADS_FACTORED,
     BlockFormat,
     Groups,
     QuantizedWeight,
@@ -237,10 +239,11 @@ def quad_weight(type_name: str, rows: int, in_features: int, seed: int, tile_row
 def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> None:
     weight, expected = quad_weight(type_name, 37, 2 * _k(type_name), seed=tile_rows, tile_rows=tile_rows)
     fmt = FORMATS[type_name]
-    assert weight.int8_activations and weight.type_summary() == f"{fmt.bits}bit/g{fmt.group}/x8"
+    bits = 6 if fmt.bits == 8 else 4  # the 8-bit formats' codes -32..31 in six bits a code
+    assert weight.int8_activations and weight.type_summary() == f"{bits}bit/g{fmt.group}/x8"
     factored = type_name.endswith("_K")  # the K-quants keep their factored scales, 4-bit ones too
     if fmt.bits == 8:
-        assert weight.meta[0, 8] == (LAYOUT_BYTE_QUADS_FACTORED if factored else LAYOUT_BYTE_QUADS)
+        assert weight.meta[0, 8] == (LAYOUT_SIX_BIT_QUADS_FACTORED if factored else LAYOUT_SIX_BIT_QUADS)
     else:
         assert weight.meta[0, 8] == (LAYOUT_QUADS_FACTORED if factored else LAYOUT_QUADS)
     assert torch.equal(weight.dequantize(), expected)
@@ -316,6 +319,40 @@ def test_factored_quads_hold_a_k_quant_in_fewer_bytes_and_compute_the_same(kerne
     )
 
 
+@pytest.mark.parametrize("type_name", BYTE_QUAD_TYPES)
+def test_six_bit_quads_hold_the_byte_quads_codes_in_three_quarters_of_the_bytes(
+    kernel_variant, type_name
+) -> None:
+    """Every byte-quad format in six bits a code (layouts 6 and 7, what the loader writes) against the same groups
+    as byte quads (layouts 3 and 4): the same weights, the same outputs bit for bit on every row count and in the
+    lookup, in 3/4 of the code bytes (Q6_K: within 1.01x of its file's 6.5625 bits a weight)."""
+    width = kernel_variant.quant_tile_rows()
+    in_features = 1024
+    raw = random_blocks(type_name, 2 * width + 5, in_features, 13)  # a partial tile too
+    groups = to_groups(type_name, raw, in_features)
+    six = QuantizedWeight.from_groups([groups], width, int8_activations=True)
+    is_factored = factored(groups)
+    assert six.meta[0, 8] == (LAYOUT_SIX_BIT_QUADS_FACTORED if is_factored else LAYOUT_SIX_BIT_QUADS)
+    byte_layout = LAYOUT_BYTE_QUADS_FACTORED if is_factored else LAYOUT_BYTE_QUADS
+    byte_meta = six.meta.clone()
+    byte_meta[0, 3], byte_meta[0, 8] = 8, byte_layout
+    byte = QuantizedWeight(torch.from_numpy(pack_groups(groups, width, byte_layout)), byte_meta)
+    num_tiles = -(-groups.codes.shape[0] // width)
+    heads = byte.data.numel() - num_tiles * width * in_features  # scales, mins, units: the same in both
+    assert six.data.numel() - heads == num_tiles * width * in_features * 3 // 4
+    if type_name == "Q6_K":
+        assert six.data.numel() * 8 / (num_tiles * width * in_features) <= 6.5625 * 1.01
+    expected = reference(type_name, raw, in_features)
+    assert torch.equal(six.dequantize(), expected) and torch.equal(byte.dequantize(), expected)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(4))
+    for rows in (1, 2, 3, 5, 6, 7, 13, 64, 300):
+        a = kernel_variant.quant_linear(x[:rows], six.data, six.meta)
+        b = kernel_variant.quant_linear(x[:rows], byte.data, byte.meta)
+        assert torch.equal(a, b), rows
+    ids = torch.tensor([0, width - 1, width, 2 * width + 4])
+    assert torch.equal(kernel_variant.quant_rows(six.data, six.meta, ids), expected[ids])
+
+
 @pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 576), ("Q6_K", 512), ("Q5_0", 576)])
 def test_int8_activation_rows_do_not_depend_on_the_batch(
     kernel_variant, type_name: str, in_features: int
@@ -338,7 +375,7 @@ def test_int8_activations_leave_other_formats_exact(kernel_variant) -> None:
     raws = [random_blocks(t, r, in_features, seed) for t, r, seed in types]
     groups = [to_groups(t, r, in_features) for (t, _, _), r in zip(types, raws)]
     weight = QuantizedWeight.from_groups(groups, kernel_variant.quant_tile_rows(), int8_activations=True)
-    assert weight.type_summary() == "4bit/g32/x8+8bit/g16/x8+8bit/g32"
+    assert weight.type_summary() == "4bit/g32/x8+6bit/g16/x8+8bit/g32"
     w = [reference(t, r, in_features) for (t, _, _), r in zip(types, raws)]
     rounded_rows = torch.cat(w[:2])
     for num_rows in (1, 4, 20):
@@ -364,7 +401,7 @@ def test_byte_quads_extreme_codes_and_activations(kernel_variant, group: int, si
     scale = np.full((rows, in_features // group), 0.5, np.float32)
     groups = Groups(fmt, codes.view(np.uint8), scale, None)
     weight = QuantizedWeight.from_groups([groups], kernel_variant.quant_tile_rows(), int8_activations=True)
-    assert weight.type_summary() == f"8bit/g{group}/x8"
+    assert weight.type_summary() == f"6bit/g{group}/x8"
     x = torch.full((2, in_features), float(sign))  # codes +-127, s = 1 / 127
     x[1, 1::2] = -sign
     out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()
@@ -386,7 +423,12 @@ def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
     with pytest.raises(ValueError, match="quad layout"):
         pack_groups(groups, 8, LAYOUT_QUADS)
     # byte quads: 8-bit codes within -32..31 only (Q8_0's reach -128..127), and never a 4-bit part
-    for layout in (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED):
+    for layout in (
+        LAYOUT_BYTE_QUADS,
+        LAYOUT_BYTE_QUADS_FACTORED,
+        LAYOUT_SIX_BIT_QUADS,
+        LAYOUT_SIX_BIT_QUADS_FACTORED,
+    ):
         with pytest.raises(ValueError, match="byte quads"):
             pack_groups(groups, 8, layout)
     q4, _ = quantized("Q4_1", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())

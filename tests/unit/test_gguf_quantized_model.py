@@ -195,7 +195,7 @@ def test_gguf_q8_on_a_mixed_file(kernel_variant, tmp_path: Path) -> None:
     q8 = load_model(str(path), device="cpu", quantization="gguf-q8")
     assert q8.quantization == "gguf-q8"
     qkv = q8.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+8bit/g16/x8"
+    assert qkv.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+6bit/g16/x8"
     exact = load_model(str(path), device="cpu", quantization="gguf")
     with_stack = prefill_then_decode(q8, PROMPTS, 3)
     stack, q8.model.backend.decode_stack = q8.model.backend.decode_stack, None
@@ -224,11 +224,13 @@ def test_gguf_q4_rounds_every_type_to_4_bits(kernel_variant, tmp_path: Path) -> 
     assert layer.mlp.gate_up_proj.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8"
     # the head's Q6_K blocks as they are (byte quads: the same weights, times 8-bit activations)
     assert exact.model.lm_head.weight.type_summary() == "8bit/g16"
-    assert q4.model.lm_head.weight.type_summary() == "8bit/g16/x8"
+    assert q4.model.lm_head.weight.type_summary() == "6bit/g16/x8"
     assert torch.equal(q4.model.lm_head.weight.dequantize(), exact.model.lm_head.weight.dequantize())
     embed, exact_embed = q4.model.model.embed_tokens, exact.model.model.embed_tokens
     table = QuantizedWeight(embed.data, embed.meta)
-    assert table.type_summary() == "8bit/g32/x8"  # the file's Q5_0 table in byte quads, looked up as it was
+    assert (
+        table.type_summary() == "6bit/g32/x8"
+    )  # the file's Q5_0 table in six-bit quads, looked up as it was
     assert torch.equal(table.dequantize(), QuantizedWeight(exact_embed.data, exact_embed.meta).dequantize())
     assert q4.weight_bytes < exact.weight_bytes
     a, b = prefill_then_decode(q4, PROMPTS, 0)[0], prefill_then_decode(exact, PROMPTS, 0)[0]

@@ -52,6 +52,11 @@ Layouts 3 and 4 (``int8_activations``, the 8-bit formats whose codes lie in -32.
 Q2_K) are layout 0 and layout 2 with each group's codes reordered for the same kernel: in quads of 4 inputs, byte
 4c + j of a quad holding row c's code at input j plus :data:`BYTE_QUAD_BIAS` (0..63, an unsigned byte for the
 integer dot product; the kernel takes 32 times the activations' sum back). Same bytes, same weights.
+
+Layouts 6 and 7 are layouts 3 and 4 in six bits a code (every biased code is 0..63): per quad a plane of low
+nibbles and a plane of top bit pairs (:func:`_six_bit_quads`), 3 bytes per 4 codes. These are what the loader
+writes for ``int8_activations``: Q6_K in 6.6 bits a weight (its file's 6.56) instead of 8.6, which is what a
+decode step reads of it.
 """
 
 from __future__ import annotations
@@ -66,8 +71,28 @@ QK_K = 256  # weights per K-quant super-block
 LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_FACTORED = 0, 1, 2  # meta column 8
 LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED = 3, 4  # 8-bit codes in quads: layout 0's, layout 2's
 LAYOUT_QUADS_FACTORED = 5  # 4-bit codes in quads (layout 1's) with layout 2's units and int8 multipliers
-INT8_ACTIVATION_LAYOUTS = (LAYOUT_QUADS, LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED, LAYOUT_QUADS_FACTORED)
-_FACTORED_LAYOUTS = (LAYOUT_FACTORED, LAYOUT_BYTE_QUADS_FACTORED, LAYOUT_QUADS_FACTORED)
+LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED = 6, 7  # layouts 3 and 4 in six bits a code
+INT8_ACTIVATION_LAYOUTS = (
+    LAYOUT_QUADS,
+    LAYOUT_BYTE_QUADS,
+    LAYOUT_BYTE_QUADS_FACTORED,
+    LAYOUT_QUADS_FACTORED,
+    LAYOUT_SIX_BIT_QUADS,
+    LAYOUT_SIX_BIT_QUADS_FACTORED,
+)
+_FACTORED_LAYOUTS = (
+    LAYOUT_FACTORED,
+    LAYOUT_BYTE_QUADS_FACTORED,
+    LAYOUT_QUADS_FACTORED,
+    LAYOUT_SIX_BIT_QUADS_FACTORED,
+)
+_BYTE_QUAD_LAYOUTS = (
+    LAYOUT_BYTE_QUADS,
+    LAYOUT_BYTE_QUADS_FACTORED,
+    LAYOUT_SIX_BIT_QUADS,
+    LAYOUT_SIX_BIT_QUADS_FACTORED,
+)
+_SIX_BIT_LAYOUTS = (LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
 
 
@@ -77,6 +102,20 @@ def _byte_quads(codes: np.ndarray) -> np.ndarray:
     t, g, group, w = codes.shape
     quads = codes.reshape(t, g, group // 4, 4, w).transpose(0, 1, 2, 4, 3)  # [T, G, quad, W, input]
     return (quads.view(np.int8).astype(np.int16) + BYTE_QUAD_BIAS).astype(np.uint8)
+
+
+def _six_bit_quads(quads: np.ndarray) -> np.ndarray:
+    """Byte quads ``[T, G, quads, W, 4]`` (codes 0..63) -> six-bit quads ``[T, G, quads, 3 W]``: per quad its two
+    kernel vectors' bytes (``2 W`` each: rows below W / 2, then the rest) as a plane of low nibbles (byte i: the
+    first vector's byte i low, the second's high) and a plane of top bit pairs (byte j: bits 0-1 the first's byte
+    j, 2-3 its byte j + W, 4-5 the second's byte j, 6-7 its byte j + W), as ``simd::six_bit_quad`` reads them."""
+    t, g, num_quads, w, _ = quads.shape
+    b = quads.reshape(t, g, num_quads, 4 * w)
+    first, second = b[..., : 2 * w], b[..., 2 * w :]
+    low = (first & 15) | ((second & 15) << 4)
+    h0, h1 = first >> 4, second >> 4
+    high = h0[..., :w] | (h0[..., w:] << 2) | (h1[..., :w] << 4) | (h1[..., w:] << 6)
+    return np.concatenate([low, high], axis=-1).astype(np.uint8)
 
 
 def takes_byte_quads(groups: Groups) -> bool:
@@ -382,7 +421,7 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         return a.reshape(num_tiles, tile_rows, *a.shape[1:])
 
     half = tile_rows // 2
-    if layout in (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED) and not takes_byte_quads(groups):
+    if layout in _BYTE_QUAD_LAYOUTS and not takes_byte_quads(groups):
         raise ValueError(f"byte quads take 8-bit codes in -32..31 and K a multiple of 32, not {fmt}")
     if layout in (LAYOUT_QUADS, LAYOUT_QUADS_FACTORED) and fmt != BlockFormat(4, 32, True):
         raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
@@ -399,6 +438,8 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [tiles, G, group, tile_rows]: the rows of one input
     if layout == LAYOUT_BYTE_QUADS:
         codes = _byte_quads(codes)
+    elif layout == LAYOUT_SIX_BIT_QUADS:
+        codes = _six_bit_quads(_byte_quads(codes))
     elif fmt.bits == 4:
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
@@ -481,6 +522,8 @@ def _pack_factored(  # type: ignore[no-untyped-def]
         codes = _nibble_quads(tiles(groups.codes))
     elif layout == LAYOUT_BYTE_QUADS_FACTORED:
         codes = _byte_quads(codes)
+    elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
+        codes = _six_bit_quads(_byte_quads(codes))
     elif fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
@@ -521,13 +564,15 @@ class QuantizedWeight:
 
     @classmethod
     def from_groups(
-        cls, parts: list[Groups], tile_rows: int, int8_activations: bool = False
+        cls, parts: list[Groups], tile_rows: int, int8_activations: bool = False, six_bit: bool = True
     ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
         ``tile_rows``: the kernels' panel width (``cpu.kernels.quant_tile_rows()``); any even number for the
         torch path alone. ``int8_activations``: 4-bit parts in the quad layout and 8-bit ones whose codes lie in
         -32..31 in byte quads (the kernel then rounds the activations to 8 bits); other parts (Q8_0, IQ4) stay exact.
+        ``six_bit``: byte quads in six bits a code (layouts 6 and 7); False keeps a byte a code (layouts 3 and 4,
+        the same weights: ``benchmarks/decode_bytes.py`` times the two side by side).
         """
         chunks, meta, offset, row = [], [], 0, 0
         in_features = parts[0].codes.shape[1] * parts[0].fmt.group
@@ -537,7 +582,11 @@ class QuantizedWeight:
             if int8_activations and g.fmt == BlockFormat(4, 32, True):
                 layout = LAYOUT_QUADS_FACTORED if factored(g) else LAYOUT_QUADS
             elif int8_activations and takes_byte_quads(g):
-                layout = LAYOUT_BYTE_QUADS_FACTORED if factored(g) else LAYOUT_BYTE_QUADS
+                layout = (
+                    (LAYOUT_SIX_BIT_QUADS_FACTORED if factored(g) else LAYOUT_SIX_BIT_QUADS)
+                    if six_bit
+                    else (LAYOUT_BYTE_QUADS_FACTORED if factored(g) else LAYOUT_BYTE_QUADS)
+                )
             else:
                 layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
             packed = pack_groups(g, tile_rows, layout)
@@ -547,7 +596,7 @@ class QuantizedWeight:
                     offset,
                     rows,
                     in_features,
-                    g.fmt.bits,
+                    6 if layout in _SIX_BIT_LAYOUTS else g.fmt.bits,
                     g.fmt.group,
                     int(g.fmt.has_min),
                     row,
@@ -579,6 +628,8 @@ class QuantizedWeight:
                 q = _from_nibble_quads(tiles[..., head:], width)
             elif layout == LAYOUT_BYTE_QUADS:
                 q = _from_byte_quads(tiles[..., head:], group, width)
+            elif layout == LAYOUT_SIX_BIT_QUADS:
+                q = _from_six_bit_quads(tiles[..., head:], group, width)
             elif bits == 4:
                 q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
             else:
@@ -615,6 +666,8 @@ class QuantizedWeight:
             q = _from_nibble_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), width)
         elif layout == LAYOUT_BYTE_QUADS_FACTORED:
             q = _from_byte_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), group, width)
+        elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
+            q = _from_six_bit_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), group, width)
         elif bits == 4:
             q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
         else:
@@ -636,3 +689,18 @@ def _from_byte_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:
     t, g = raw.shape[:2]
     quads = raw.reshape(t, g, group // 4, width, 4).permute(0, 1, 2, 4, 3)  # [T, G, quad, input, W]
     return quads.reshape(t, g, group, width).float() - BYTE_QUAD_BIAS
+
+
+def _from_six_bit_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:
+    """Six-bit quad codes ``[T, G, group / 4 * 3 W]`` (uint8) -> codes ``[T, G, group, W]`` as floats."""
+    t, g = raw.shape[:2]
+    quads = raw.reshape(t, g, group // 4, 3 * width).to(torch.int32)
+    low, high = quads[..., : 2 * width], quads[..., 2 * width :]
+    pairs = [
+        (high >> shift) & 3 for shift in (0, 2, 4, 6)
+    ]  # [.., W] each: first[:W], first[W:], second[:W], ...
+    first = (low & 15) | (torch.cat(pairs[:2], dim=-1) << 4)
+    second = (low >> 4) | (torch.cat(pairs[2:], dim=-1) << 4)
+    return _from_byte_quads(
+        torch.cat([first, second], dim=-1).to(torch.uint8).reshape(t, g, -1), group, width
+    )

@@ -37,10 +37,11 @@ from tokenmill.model.gguf_blocks import QUANTIZED_TYPES, Groups, requantize_4bit
 from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_dict
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
-BLOCKS_CACHE_VERSION = 4  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
+BLOCKS_CACHE_VERSION = 5  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
 _TYPES_KEY = "gguf_tensor_types"
+_STEP_BYTES_KEY = "gguf_step_bytes"  # the file's tensor bytes other than the token embedding's
 _SUPPORTED_TYPES = (
     "F32",
     "F16",
@@ -87,6 +88,7 @@ _LAYER_NAMES_BY_ARCH = {  # where an architecture stores a tensor under another 
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
+_TOKEN_EMBD, _OUTPUT = "token_embd.weight", "output.weight"
 
 
 def default_cache_dir() -> Path:
@@ -299,6 +301,7 @@ class GGUFFile:
             _CONFIG_KEY: _config_to_json(config),
             _FIELDS_KEY: json.dumps(_metadata_values(self.reader())),
             _TYPES_KEY: json.dumps(sorted({t.tensor_type.name for t in self.reader().tensors})),
+            _STEP_BYTES_KEY: str(self._file_step_bytes()),
             "source": str(self.path),
         }
 
@@ -324,6 +327,19 @@ class GGUFFile:
         except OSError as exc:  # an unwritable cache costs speed next time, not this load
             warnings.warn(f"could not write GGUF cache {self.cache_path}: {exc}", stacklevel=2)
         return config, fused
+
+    def _file_step_bytes(self) -> int:
+        tensors = self.reader().tensors
+        tied = all(t.name != _OUTPUT for t in tensors)  # the head reads the embedding's table
+        skip = {_ROPE_FREQS} if tied else {_ROPE_FREQS, _TOKEN_EMBD}
+        return sum(int(t.n_bytes) for t in tensors if t.name not in skip)
+
+    def step_bytes(self) -> int:
+        """The file's tensor bytes other than the token embedding's (unless the head is tied to it): what a decode
+        step would read of the file's own blocks (``tokenmill info --load`` prints it beside the bytes the loaded model's step reads)."""
+        if self._any_header is not None and _STEP_BYTES_KEY in self._any_header:
+            return int(self._any_header[_STEP_BYTES_KEY])
+        return self._file_step_bytes()
 
     def quantized_tensor_types(self) -> list[str]:
         """The types among this file's tensors that the quantized kernels take (empty: an fp16/fp32 file)."""

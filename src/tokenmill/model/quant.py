@@ -401,3 +401,29 @@ def weight_bytes(model: nn.Module) -> int:
             key, nbytes = id(t), t.numel() * t.element_size()
         seen[key] = max(seen.get(key, 0), nbytes)
     return sum(seen.values())
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every storage :func:`weight_bytes` counts except the token
+    embedding's table (a step looks up one row of it), unless the head reads the same storage (a tied head); a
+    dense layer's reordered copy in place of its weight (the step reads the copy)."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding | QuantizedEmbedding)]
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if module in embeddings:
+            continue
+        packed = {attr: getattr(module, attr, None) for attr in ("packed_weight", "packed_head")}
+        tensors = [t for t in packed.values() if isinstance(t, torch.Tensor)]
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if tensors:  # the copy replaces the weight it was made from
+            own = [t for t in own if t is not getattr(module, "weight", None)]
+        for t in [*own, *tensors]:
+            if t.device.type == "meta":
+                continue
+            try:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except NotImplementedError:
+                key, nbytes = id(t), t.numel() * t.element_size()
+            seen[key] = max(seen.get(key, 0), nbytes)  # a tied head: the table's storage, counted by the head
+    return sum(seen.values())

@@ -22,7 +22,8 @@
 // rows of (byte offset, rows, K, bits, group, has_min, first output row, tile rows, layout). Layout 0 is the one
 // above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below; layout 5 is
 // layout 1 with layout 2's factored scales), layouts
-// 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad);
+// 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad),
+// layouts 6 and 7 the same in six bits a code (the meta's bits: 6);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
 // and mins as int8 multipliers of per-super-block fp32 units (Fmt's kFactored): the same values in fewer bytes.
 //
@@ -385,22 +386,43 @@ using Q4Quad = Q4QuadT<false>;
 // each 4 * kPanel bytes: byte 4c + j holds tile row c's code at input 4u + j plus kBias (0..63, vpdpbusd's unsigned
 // operand). The integer sums take kBias times the activations' code sum back: each group's dot product of codes
 // and 8-bit activations exact, as llama.cpp computes Q6_K times Q8_K.
-template <int Group, bool kMin, bool kFactored>
-struct ByteQuad : Fmt<8, Group, kMin, kFactored> {
-  using Base = Fmt<8, Group, kMin, kFactored>;
+// kCodeBits 6 (meta layouts 6 and 7, what the loader writes): the same quads in six bits a code, 3 * kPanel bytes
+// each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): Q6_K in its file's 6.6 bits a weight
+// instead of 8.6, the same codes, the same sums.
+template <int Group, bool kMin, bool kFactored, int kCodeBits = 8>
+struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored> {
+  static_assert(kCodeBits == 8 || kCodeBits == 6, "byte quads are 8 or 6 bits a code");
+  using Base = Fmt<kCodeBits, Group, kMin, kFactored>;
   static constexpr int kNumQuads = Group / 4;
   static constexpr int32_t kBias = 32;
-  static constexpr int64_t kQuadBytes = 4 * kPanel;
+  static constexpr int64_t kQuadBytes = kCodeBits * kPanel / 2;
+  static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and its quads");
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
     const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
-    w0 = simd::byte_quad(q), w1 = simd::byte_quad(q + 4 * simd::kLanes);
+    if constexpr (kCodeBits == 6)
+      simd::six_bit_quad(q, w0, w1);
+    else
+      w0 = simd::byte_quad(q), w1 = simd::byte_quad(q + 4 * simd::kLanes);
   }
   using Acc = simd::QAcc32;
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot32(a, w, x); }
   static simd::Vec to_float(Acc a, int32_t offset) { return simd::qacc32_to_float(a, offset); }
+  // the biased code of tile row r at input d (a byte 4r + d % 4 of its quad, the two QVecs' bytes in a row)
+  static int32_t code(const uint8_t* q, int64_t r, int64_t d) {
+    const int64_t i = 4 * r + d % 4;
+    if constexpr (kCodeBits == 8) {
+      return q[i];
+    } else {
+      constexpr int64_t kVec = 4 * simd::kLanes, kHalf = kVec / 2;  // a QVec's bytes; the high plane's
+      const int64_t v = i / kVec, b = i % kVec;                      // which QVec, its byte
+      const int low = v == 0 ? q[b] & 15 : q[b] >> 4;
+      const int shift = 4 * int(v) + (b < kHalf ? 0 : 2);
+      return low | (((q[kVec + b % kHalf] >> shift) & 3) << 4);
+    }
+  }
   static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
     const uint8_t* q = Base::group(tile, g) + Base::kHead + (d / 4) * kQuadBytes;
-    return Base::scaled(tile, g, r, static_cast<float>(int32_t(q[4 * r + d % 4]) - kBias));
+    return Base::scaled(tile, g, r, static_cast<float>(code(q, r, d) - kBias));
   }
 };
 
@@ -554,21 +576,22 @@ inline void set_format(QuantPart& p, bool factored) {
     set(Fmt<Bits, Group, kMin, false>{});
 }
 
-template <int Group, bool kMin, bool kFactored>
+template <int Group, bool kMin, bool kFactored, int kCodeBits>
 inline void set_byte_quad(QuantPart& p) {
-  using F = ByteQuad<Group, kMin, kFactored>;
+  using F = ByteQuad<Group, kMin, kFactored, kCodeBits>;
   p.q8_rows = &q8_rows<F>;
   p.tile_weights = &tile_weights<F>;
   p.tile_bytes = F::tile_bytes(p.num_groups);
 }
 
+template <int kCodeBits>
 inline void set_byte_quads(QuantPart& p, int64_t group, bool has_min, bool factored) {
   if (group == 16)
-    has_min ? (factored ? set_byte_quad<16, true, true>(p) : set_byte_quad<16, true, false>(p))
-            : (factored ? set_byte_quad<16, false, true>(p) : set_byte_quad<16, false, false>(p));
+    has_min ? (factored ? set_byte_quad<16, true, true, kCodeBits>(p) : set_byte_quad<16, true, false, kCodeBits>(p))
+            : (factored ? set_byte_quad<16, false, true, kCodeBits>(p) : set_byte_quad<16, false, false, kCodeBits>(p));
   else
-    has_min ? (factored ? set_byte_quad<32, true, true>(p) : set_byte_quad<32, true, false>(p))
-            : (factored ? set_byte_quad<32, false, true>(p) : set_byte_quad<32, false, false>(p));
+    has_min ? (factored ? set_byte_quad<32, true, true, kCodeBits>(p) : set_byte_quad<32, true, false, kCodeBits>(p))
+            : (factored ? set_byte_quad<32, false, true, kCodeBits>(p) : set_byte_quad<32, false, false, kCodeBits>(p));
 }
 
 // data: uint8 [bytes]; meta: int64 [P, 9] as described at the top. Checks every part against the buffer.
@@ -592,17 +615,20 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     QuantPart p;
     p.rows = rows, p.col = col, p.num_groups = k / group, p.group = group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
-    const bool byte_quads = (layout == 3 || layout == 4) && bits == 8 && (group == 16 || group == 32) && k % 32 == 0;
+    const bool six_bit = layout == 6 || layout == 7;
+    const bool byte_quads = (layout == 3 || layout == 4 || six_bit) && bits == (six_bit ? 6 : 8) &&
+                            (group == 16 || group == 32) && k % 32 == 0;
     const bool nibble_quads = (layout == 1 || layout == 5) && bits == 4 && group == 32 && has_min;
+    const bool factored = layout == 2 || layout == 4 || layout == 5 || layout == 7;
     TORCH_CHECK(layout == 0 || (layout == 1 && nibble_quads) || (layout == 5 && nibble_quads && k % 256 == 0) ||
-                    ((layout == 2 || layout == 4) && k % 256 == 0) || (layout == 3 && byte_quads),
+                    (layout == 2 && k % 256 == 0) || ((layout == 4 || layout == 7) && k % 256 == 0) ||
+                    layout == 3 || layout == 6,
                 "part ", i, ": layout ", layout,
                 " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256;"
                 " 3, 4: byte quads of 8-bit groups of 16 or 32, K a multiple of 32, 4 factored as 2; 5: layout 1"
-                " factored as 2)");
-    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i,
-                ": byte quads take 8-bit groups of 16 or 32, K a multiple of 32");
-    const bool factored = layout == 2 || layout == 4 || layout == 5;
+                " factored as 2; 6, 7: layouts 3 and 4 in six bits a code)");
+    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i, ": byte quads take ",
+                six_bit ? "6" : "8", "-bit groups of 16 or 32, K a multiple of 32");
     if (nibble_quads) {
       q.has_q8 = true;
       if (factored) {
@@ -616,7 +642,7 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
       }
     } else if (byte_quads) {
       q.has_q8 = true;
-      set_byte_quads(p, group, has_min, factored);
+      six_bit ? set_byte_quads<6>(p, group, has_min, factored) : set_byte_quads<8>(p, group, has_min, factored);
     } else if (bits == 4 && group == 32 && has_min)
       set_format<4, 32, true>(p, factored);
     else if (bits == 8 && group == 32 && !has_min)

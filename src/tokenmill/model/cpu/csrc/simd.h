@@ -15,6 +15,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__AVX512VNNI__) && defined(__FMA__)
@@ -119,7 +123,26 @@ inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(offset)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// Six-bit byte quads (ByteQuad's planes, meta layouts 6 and 7): two QVecs of codes 0..63 in 6 * kLanes bytes. The
+// low plane, one QVec, holds the first's low nibbles (low half of each byte) and the second's (high half); the high
+// plane's 2 * kLanes bytes their top two bits, byte j: bits 0-1 the first's byte j, 2-3 its byte j + 2 kLanes, 4-5
+// the second's byte j, 6-7 its byte j + 2 kLanes. Each 256-bit half of the broadcast high plane shifts its pair of
+// bits to bits 4-5 (a 64-bit shift moves no bit of these across a byte: 4 left, 2 left, none, 2 right).
+inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  const __m512i lo = _mm512_loadu_si512(p), m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(0x30);
+  const __m512i hh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * kLanes)));
+  const __m512i h0 = _mm512_sllv_epi64(hh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4));
+  const __m512i h1 = _mm512_srlv_epi64(hh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
+  w0 = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(h0, m2));
+  w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h1, m2));
+}
 inline Vec vabs(Vec a) { return _mm512_abs_ps(a); }
+// kLanes 16-bit floats as fp32: IEEE half (F16C's vcvtph2ps), bfloat16 (its bits are fp32's top half)
+inline Vec load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec load_bf16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
 // kLanes integral floats in [-127, 127] as int8
 inline void store_i8(int8_t* p, Vec a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a)));
@@ -223,7 +246,22 @@ inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Six-bit byte quads, as on AVX-512 with 128-bit halves.
+inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+  const __m256i hh = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * kLanes)));
+  const __m256i h0 = _mm256_sllv_epi64(hh, _mm256_set_epi64x(2, 2, 4, 4));
+  const __m256i h1 = _mm256_srlv_epi64(hh, _mm256_set_epi64x(2, 2, 0, 0));
+  w0 = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(h0, m2));
+  w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(h1, m2));
+}
 inline Vec vabs(Vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline Vec load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec load_bf16(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 inline void store_i8(int8_t* p, Vec a) {
   const __m256i i = _mm256_cvtps_epi32(a);
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));  // 8 int16
@@ -359,9 +397,29 @@ inline QVec byte_quad(const uint8_t* p) {
   std::memcpy(&r, p, sizeof(r));
   return r;
 }
+// Six-bit byte quads, as on AVX-512, byte by byte.
+inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  constexpr int kHalf = 2 * kLanes;  // the high plane's bytes
+  const uint8_t* h = p + 4 * kLanes;
+  for (int i = 0; i < 4 * kLanes; ++i) {
+    const int j = i % kHalf, s = i < kHalf ? 0 : 2;
+    w0[i] = static_cast<uint8_t>((p[i] & 15) | (((h[j] >> s) & 3) << 4));
+    w1[i] = static_cast<uint8_t>((p[i] >> 4) | (((h[j] >> (s + 4)) & 3) << 4));
+  }
+}
 inline Vec vabs(Vec a) {
   for (int i = 0; i < kLanes; ++i) a[i] = std::fabs(a[i]);
   return a;
+}
+inline Vec load_f16(const uint16_t* p) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r[i] = c10::detail::fp16_ieee_to_fp32_value(p[i]);
+  return r;
+}
+inline Vec load_bf16(const uint16_t* p) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r[i] = c10::detail::f32_from_bits(p[i]);
+  return r;
 }
 inline void store_i8(int8_t* p, Vec a) {
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(a[i]);
@@ -393,6 +451,50 @@ inline Vec exp(Vec x) {
   p = fmadd(p, r, set1(1.f));
   p = fmadd(p, r, set1(1.f));
   return scale_pow2(p, n);
+}
+
+// The KV cache's element types (--kv-cache-dtype): fp32, IEEE half and bfloat16, the 16-bit ones as their bits.
+// A value is stored rounded to nearest even (torch's .to(dtype) rounds the same way, so the C++ decode stack and
+// the torch layers write the same bits) and read back exactly as fp32.
+enum class KvType { kF32, kF16, kBF16 };
+template <KvType K>
+using KvElem = std::conditional_t<K == KvType::kF32, float, uint16_t>;
+
+template <KvType K>
+inline Vec load_kv(const KvElem<K>* p) {
+  if constexpr (K == KvType::kF32)
+    return load(p);
+  else if constexpr (K == KvType::kF16)
+    return load_f16(p);
+  else
+    return load_bf16(p);
+}
+template <KvType K>
+inline float kv_to_float(KvElem<K> e) {
+  if constexpr (K == KvType::kF32)
+    return e;
+  else if constexpr (K == KvType::kF16)
+    return c10::detail::fp16_ieee_to_fp32_value(e);
+  else
+    return c10::detail::f32_from_bits(e);
+}
+template <KvType K>
+inline KvElem<K> kv_from_float(float f) {
+  if constexpr (K == KvType::kF32)
+    return f;
+  else if constexpr (K == KvType::kF16)
+    return c10::detail::fp16_ieee_from_fp32_value(f);
+  else
+    return c10::detail::round_to_nearest_even(f);
+}
+// n values of a KV row as fp32, and back
+template <KvType K>
+inline void kv_row_to_float(const KvElem<K>* p, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = kv_to_float<K>(p[i]);
+}
+template <KvType K>
+inline void kv_row_from_float(const float* p, int64_t n, KvElem<K>* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = kv_from_float<K>(p[i]);
 }
 
 }  // namespace simd
