@@ -119,6 +119,8 @@ def measure(model: str | None, texts: dict[str, str], args: argparse.Namespace) 
     engines = {
         q: Engine(model=model, quantization=q, max_model_len=args.window + 64) for q in ("gguf", "gguf-q8")
     }
+    for q, engine in engines.items():  # the KV cache each runs with by default (auto: fp16 under gguf-q8)
+        row[f"KV cache {q}"] = str(engine.kv_dtype).removeprefix("torch.")
     for name, text in texts.items():
         chunks = windows(engines["gguf"], text, args.num_tokens, args.window)
         (exact_lp, exact_top), (q8_lp, q8_top) = (scored(engines[q], chunks) for q in ("gguf", "gguf-q8"))

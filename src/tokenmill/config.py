@@ -210,6 +210,13 @@ class EngineConfig:
     # stops (worker/thread_governor.py); False: num_threads always
     adaptive_threads: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and cache_salt) repeat
+    # the prefix cache's disk tier (worker/kv_offload.py): full blocks kept in files up to this many bytes, read
+    # back on a prefix hit after an eviction or a restart; None or 0: off (the CLI's default: DEFAULT_KV_DISK_BYTES)
+    kv_cache_disk_bytes: int | None = None
+    kv_cache_disk_dir: str | None = None  # None: <cache directory>/kv
+    # the KV cache's element type (vLLM's --kv-cache-dtype): "auto" (16 bits where the arithmetic is not the exact
+    # path, the model's dtype otherwise: resolve_kv_cache_dtype), "fp32", "fp16", "bf16" (or their torch names)
+    kv_cache_dtype: str = "auto"
     # sampling defaults for fields a request leaves unset: "auto" (the model's generation_config.json, else
     # tokenmill's sampled defaults), "none" (SamplingParams' own), or a directory with a generation_config.json
     generation_config: str = "auto"
@@ -242,6 +249,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                + (" (8-bit KV caches are not implemented yet)" if self.kv_cache_dtype in _KV_8_BIT else "")
+            )
+        disk = self.kv_cache_disk_bytes
+        if disk is not None and (isinstance(disk, bool) or not isinstance(disk, int) or disk < 0):
+            raise ValueError(f"kv_cache_disk_bytes must be a number of bytes (0: off), got {disk!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
@@ -263,6 +278,25 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of None, {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+
+
+_KV_DTYPE_NAMES = {
+    "fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+}  # fmt: skip
+KV_CACHE_DTYPES = ("auto", *_KV_DTYPE_NAMES)
+_KV_8_BIT = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# arithmetics whose activations are rounded anyway (llama.cpp's): their KV in 16 bits, as llama.cpp's default f16
+_ROUNDING_QUANTIZATIONS = ("gguf-q8", "gguf-q4")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, quantization: str | None, model_dtype: str) -> str:
+    """The KV cache's torch dtype name for ``kv_cache_dtype``: "auto" is float16 under llama.cpp's arithmetic
+    (``gguf-q8``, ``gguf-q4``), the model's own dtype otherwise (float32 for the exact path on CPU, bfloat16 on a
+    GPU)."""
+    if kv_cache_dtype != "auto":
+        return _KV_DTYPE_NAMES[kv_cache_dtype]
+    return "float16" if quantization in _ROUNDING_QUANTIZATIONS else model_dtype
 
 
 def _positive(name: str, value: object) -> None:

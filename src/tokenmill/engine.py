@@ -31,6 +31,7 @@ from tokenmill.config import (
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    resolve_kv_cache_dtype,
 )
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
@@ -126,6 +127,10 @@ class Engine:
         if self.is_pooling and (config.speculative_config is not None or tp > 1):
             raise ValueError("an embedding model runs without speculative_config and tensor parallelism")
         self.draft = self._load_draft()
+        model_dtype = str(loaded.dtype).removeprefix("torch.")
+        self.kv_dtype = getattr(
+            torch, resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.quantization, model_dtype)
+        )
         self._size_kv_pool()
         self._build_scheduler()
         self.tp_group: Any = None
@@ -133,7 +138,7 @@ class Engine:
             from tokenmill.worker.tensor_parallel import TensorParallelGroup
 
             self.tp_group = TensorParallelGroup(
-                loaded, load_kwargs, tp, self.num_total_blocks, config.block_size
+                loaded, load_kwargs, tp, self.num_total_blocks, config.block_size, kv_dtype=self.kv_dtype
             )
         self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
         self.runner: Any
@@ -152,7 +157,9 @@ class Engine:
                 tp_group=self.tp_group,
                 draft=self.draft,
                 draft_p_min=spec.resolved_draft_p_min if isinstance(spec, SpeculativeConfig) else 0.0,
+                kv_dtype=self.kv_dtype,
             )
+        self.kv_disk = self._build_kv_disk_tier()
         self.stats = EngineStats()
         self.roofline = self._build_roofline()
         self.thread_governor, self._governor_roofline = self._build_thread_governor()
@@ -184,15 +191,15 @@ class Engine:
             )
             self.kv_cache_bytes = 0
             return
-        bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, self.loaded.dtype)
+        bytes_per_block = kv_bytes_per_block(kv_config, config.block_size, self.kv_dtype)
         if self.draft is not None:  # the draft's KV: its own tensors, the same blocks
             bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.draft.dtype)
         self.num_total_blocks = config.num_kv_blocks or self._blocks_from_budget(bytes_per_block)
         self.kv_cache_bytes = self.num_total_blocks * bytes_per_block
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %.1f MB",
+            "KV cache: %d blocks of %d tokens (%d tokens), %.1f MB, %s",
             self.num_total_blocks, config.block_size, self.num_total_blocks * config.block_size,
-            self.kv_cache_bytes / 1e6,
+            self.kv_cache_bytes / 1e6, str(self.kv_dtype).removeprefix("torch."),
         )  # fmt: skip
 
     def _build_scheduler(self) -> None:
@@ -223,6 +230,31 @@ class Engine:
 
             proposer = NgramProposer(spec) if spec.method == "ngram" else DraftSlots(spec)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, config.block_size, proposer)
+
+    def _build_kv_disk_tier(self) -> Any:
+        """The prefix cache's disk tier (worker/kv_offload.py), or None: off, or a setup it does not cover."""
+        if not self.config.kv_cache_disk_bytes or not self.kv_manager.enable_caching:
+            return None
+        if self.is_pooling or self.tp_group is not None or self.draft is not None:
+            logger.info("KV disk tier off: it keeps one model's blocks (no draft model, tensor parallelism)")
+            return None
+        from tokenmill.worker.kv_offload import build_offloader
+
+        offloader = build_offloader(self.config, self.loaded, self.runner.kv_caches)
+        self.kv_manager.record_newly_cached = True
+        self._disk_walked: set[str] = set()  # waiting requests whose prefix the disk was asked for
+        return offloader
+
+    def _promote_from_disk(self) -> None:
+        """Before scheduling: the disk's blocks of the prefixes of the requests that may be admitted now."""
+        room = self.scheduler_config.max_num_seqs - self.scheduler.num_running
+        candidates = [r for r in itertools.islice(self.scheduler.waiting, max(0, room))]
+        fresh = [r for r in candidates if r.request_id not in self._disk_walked]
+        if fresh:
+            self._disk_walked.update(r.request_id for r in fresh)
+            self.kv_disk.promote(self.kv_manager, fresh)
+        if len(self._disk_walked) > 4 * self.scheduler_config.max_num_seqs:  # admitted or gone: forget them
+            self._disk_walked = {r.request_id for r in self.scheduler.waiting} & self._disk_walked
 
     def _build_roofline(self) -> StepRoofline | None:
         """The machine's limits (config.hardware_limits: measured now, or given) for each step's roofline."""
@@ -335,6 +367,8 @@ class Engine:
         """Stop the tensor-parallel workers, if any (they also exit with this process)."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self.kv_disk is not None:
+            self.kv_disk.close()
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation defaults (``generation_defaults``), ``overrides`` on top
@@ -483,6 +517,8 @@ class Engine:
         step's own requests: they end with ``finish_reason="error"`` and their blocks return to the pool, the
         exception is kept in ``StepResult.error``, and the next step serves everyone else."""
         start_s = time.perf_counter()  # the roofline's wall time (the engine's clock may be a unit clock)
+        if self.kv_disk is not None:
+            self._promote_from_disk()
         scheduler_output = self.scheduler.schedule(now_s=self.clock())
         result = StepResult(record=scheduler_output.record)
         try:
@@ -495,6 +531,8 @@ class Engine:
             return self._report(result, self.scheduler.fail_step(scheduler_output, message, now_s), now_s)
         now_s = self.clock()
         touched = self.scheduler.update_from_output(scheduler_output, runner_output, now_s)
+        if self.kv_disk is not None:  # copied before the next step can overwrite a freed block
+            self.kv_disk.offload(self.kv_manager.take_newly_cached())
         self._advance_grammars(touched, now_s)
         for request_id, entries in runner_output.prompt_logprobs.items():
             self._requests[request_id].add_prompt_logprobs(entries)
@@ -548,6 +586,8 @@ class Engine:
                 result.finished.append(self._finish(request))
         self.stats.add_step(result.record, sum(len(d.new_token_ids) for d in result.deltas))
         self.stats.num_prefix_evicted_blocks = self.kv_manager.pool.num_evicted_blocks
+        if self.kv_disk is not None:
+            self.kv_disk.count_into(self.stats, self.config.block_size)
         self.stats.num_finished += len(result.finished)
         return result
 

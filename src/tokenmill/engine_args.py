@@ -8,6 +8,8 @@ import json
 
 from tokenmill.config import QUANTIZATIONS, SPECULATION_AUTO, EngineConfig
 
+DEFAULT_KV_DISK_BYTES = 8 << 30  # the disk tier's bound when a command builds the engine
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -54,6 +56,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV cache of repeated prompt prefixes (on by default; --no-enable-prefix-caching: off)",
+    )
+    g.add_argument(
+        "--kv-cache-disk-bytes",
+        type=int,
+        default=DEFAULT_KV_DISK_BYTES,
+        help="the prefix cache's disk tier: full KV blocks kept in files under the cache directory (least "
+        "recently used out past this many bytes; default 8 GiB), read back when a prompt's prefix is not in "
+        "memory, after an eviction or a restart",
+    )
+    g.add_argument(
+        "--no-kv-cache-disk",
+        dest="kv_cache_disk_bytes",
+        action="store_const",
+        const=0,
+        help="turn the disk tier off",
+    )
+    g.add_argument("--kv-cache-disk-dir", default=None, help="the disk tier's folder (default: <cache>/kv)")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp32", "fp16", "bf16", "float32", "float16", "bfloat16"],
+        help="the KV cache's element type: auto (fp16 under llama.cpp's arithmetic, gguf-q8, the default for a "
+        "GGUF on CPU; the model's dtype otherwise: fp32 on the exact path), fp32, fp16, bf16",
     )
     g.add_argument(
         "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
@@ -117,6 +142,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         adaptive_threads=getattr(args, "adaptive_threads", True),
         seed=args.engine_seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_disk_bytes=getattr(args, "kv_cache_disk_bytes", None),
+        kv_cache_disk_dir=getattr(args, "kv_cache_disk_dir", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=getattr(args, "speculative_config", None) or SPECULATION_AUTO,

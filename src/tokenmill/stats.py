@@ -29,6 +29,14 @@ class EngineStats:
     num_prefix_queried_tokens: int = 0  # prompt (+ output, after a preemption) tokens looked up at admission
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache: not computed
     num_prefix_evicted_blocks: int = 0  # cached blocks reused for other tokens (set by the engine)
+    # the prefix cache's disk tier (set by the engine from worker/kv_offload.py): tokens asked of it past the memory
+    # tier and read back from it; blocks written, evicted by its bound, refused as corrupt, not written
+    num_disk_queried_tokens: int = 0
+    num_disk_hit_tokens: int = 0
+    num_disk_stored_blocks: int = 0
+    num_disk_evicted_blocks: int = 0
+    num_disk_corrupt_blocks: int = 0
+    num_disk_failed_writes: int = 0
     num_failed_steps: int = 0  # forwards that raised (their requests ended with an error)
     # speculative decoding: verifications (rows with a proposal), tokens proposed, tokens accepted, and accepted
     # at each proposal position (vLLM's spec_decode counters); rejected tokens' slots were computed for nothing

@@ -66,13 +66,22 @@ def test_decode_stack_equals_the_eager_forward_bit_for_bit(
 
 @pytest.mark.parametrize("chunk", [16, 512])
 def test_greedy_tokens_depend_neither_on_the_batch_nor_on_preemption(embedded_q8, chunk) -> None:
+    """With an fp32 KV cache. A 16-bit one rounds each stored K and V, which turns the fp32 summation-order
+    difference between a token's decode step and its recompute after a preemption (the prefill kernel) into a
+    whole unit of the 16-bit value now and then: the batch still changes nothing (the next test), a preemption
+    may."""
     prompts = [embedded_q8.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    roomy = Engine(loaded=embedded_q8, device="cpu", block_size=16, num_kv_blocks=256)
+    roomy = Engine(loaded=embedded_q8, device="cpu", block_size=16, num_kv_blocks=256, kv_cache_dtype="fp32")
     together = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     alone = [roomy.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     tight = Engine(
-        loaded=embedded_q8, device="cpu", block_size=4, num_kv_blocks=20, max_num_batched_tokens=chunk
+        loaded=embedded_q8,
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=20,
+        max_num_batched_tokens=chunk,
+        kv_cache_dtype="fp32",
     )
     preempted = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.stats.num_preemptions > 0
@@ -130,3 +139,17 @@ def test_a_verification_computes_its_tokens_as_decode_steps_do(
             assert torch.equal(got, stepwise)
         else:
             torch.testing.assert_close(got, stepwise, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16"])
+def test_greedy_tokens_do_not_depend_on_the_batch_with_a_16_bit_kv_cache(embedded_q8, kv_cache_dtype) -> None:
+    prompts = [embedded_q8.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine = Engine(
+        loaded=embedded_q8, device="cpu", block_size=16, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype
+    )
+    assert engine.kv_dtype == (torch.float16 if kv_cache_dtype == "auto" else torch.bfloat16)
+    together = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+    assert engine.num_free_blocks == engine.num_total_blocks

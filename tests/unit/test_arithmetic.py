@@ -64,3 +64,17 @@ def test_the_embedded_file_is_the_measured_one() -> None:
         assert "measured on SmolLM2-135M-Instruct Q4_1 (embedded)" in choice.reason
     else:
         assert choice.quantization == EXACT
+
+
+def test_kv_cache_dtype_resolution_and_refusals() -> None:
+    from tokenmill.config import EngineConfig, resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", "gguf-q8", "float32") == "float16"  # llama.cpp's arithmetic: f16 KV
+    assert resolve_kv_cache_dtype("auto", "gguf-q4", "float32") == "float16"
+    assert resolve_kv_cache_dtype("auto", "gguf", "float32") == "float32"  # the exact path keeps fp32
+    assert resolve_kv_cache_dtype("auto", None, "bfloat16") == "bfloat16"  # a GPU's model dtype
+    assert resolve_kv_cache_dtype("bf16", "gguf", "float32") == "bfloat16"
+    assert resolve_kv_cache_dtype("fp32", "gguf-q8", "float32") == "float32"
+    for bad, words in (("fp8_e4m3", "8-bit"), ("int8", "8-bit"), ("float64", "kv_cache_dtype")):
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(kv_cache_dtype=bad)

@@ -115,21 +115,24 @@ def test_cpp_decode_kernel_on_a_wide_batch(kernel_variant) -> None:
         (4, 2, 80, 16),  # a head size without a register kernel: the generic loop
     ],
 )
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cpp_decode_kernel_head_shapes(
-    kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
 ) -> None:
-    """The kernel's head-size specialisations against a direct softmax(q k^T) v over each row's gathered cache."""
+    """The kernel's head-size specialisations against a direct softmax(q k^T) v over each row's gathered cache, in
+    float64 over the values the cache holds (a 16-bit cache's elements are read exactly)."""
     kernel = kernel_variant.paged_decode
     gen = torch.Generator().manual_seed(head_dim + block_size)
     lens = [1, 2, 3, 4, 5, 17, 31, 64, 129, 300]
     max_blocks = -(-max(lens) // block_size)
     num_blocks = len(lens) * max_blocks + 3
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen) * 2  # sharper softmax than unit scale
     scale = head_dim**-0.5
     out = kernel(q, k_cache, v_cache, tables, torch.tensor(lens), scale)
+    assert out.dtype == torch.float32
     group = num_heads // num_kv_heads
     for b, seq_len in enumerate(lens):
         k = k_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
@@ -151,8 +154,9 @@ def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (10, 2, 64, 5), (8, 2, 128, 16), (6, 6, 128, 7), (4, 1, 96, 16)],
 )
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
-    kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
 ) -> None:
     """The tiled prefill kernel: tiles of 64 tokens, prompts with and without a cached prefix, longer than the
     one-token-per-row route takes, a row block straddling tokens, keys past a row's position masked; rows of
@@ -178,8 +182,8 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
     max_blocks = -(-max(q + p for q, p in seqs) // block_size)
     num_blocks = len(seqs) * max_blocks + 3
     tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * max_blocks].view(len(seqs), max_blocks)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     num_tokens = sum(q for q, _ in seqs) + 5  # 5 rows belong to nobody here
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2  # sharper softmax than unit scale
     rows, start = [], 5

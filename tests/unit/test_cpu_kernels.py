@@ -158,8 +158,9 @@ def _tiny_model(seed: int) -> LlamaForCausalLM:
     return random_model(config, seed)
 
 
-def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):
-    """Random caches, then one decode token per row over shuffled block tables: ``(logits, caches)``."""
+def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int, kv_dtype: torch.dtype = torch.float32):
+    """Random caches (of ``kv_dtype``), then one decode token per row over shuffled block tables:
+    ``(logits, caches)``."""
     rng = random.Random(seed)
     config, block_size = model.config, 16
     lens = [rng.randint(1, 90) for _ in range(num_rows)]
@@ -169,7 +170,8 @@ def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_rows * 8, block_size, config.num_key_value_heads, config.head_dim)
     caches = [
-        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in model.model.layers
+        (torch.randn(shape, generator=gen).to(kv_dtype), torch.randn(shape, generator=gen).to(kv_dtype))
+        for _ in model.model.layers
     ]
     meta = model.plan_attention([1] * num_rows, lens, tables, block_size)
     input_ids = torch.randint(0, config.vocab_size, (num_rows,), generator=gen)
@@ -225,6 +227,29 @@ def test_decode_stack_matches_the_pure_torch_forward(
     for (k1, v1), (k2, v2) in zip(stacked_caches, plain_caches):  # the same new K/V landed in the same slots
         torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
         torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_decode_stack_on_a_16_bit_kv_cache(kernel_variant, monkeypatch: pytest.MonkeyPatch, kv_dtype) -> None:
+    """The decode stack writes each new K and V rounded to the cache's dtype and attends over the stored values:
+    against the eager forward (torch's write_kv rounds with .to(), its attention reads the cache as fp32). The new
+    keys agree to fp32's summation order, so after rounding they agree to one unit in the last 16-bit place."""
+    model = _tiny_model(seed=2)
+    backend = CpuKernelBackend(model.config.head_dim)
+    backend.prepare(model)
+    if kernel_variant.isa() == "base":
+        return
+    stacked, stacked_caches = _decode_step(model, 4, seed=2, kv_dtype=kv_dtype)
+    reference = _torch_reference(model, monkeypatch)
+    plain, plain_caches = _decode_step(reference, 4, seed=2, kv_dtype=kv_dtype)
+    torch.testing.assert_close(stacked, plain, rtol=1e-3, atol=1e-3)
+    ulp = 2.0**-10 if kv_dtype == torch.float16 else 2.0**-7
+    for (k1, v1), (k2, v2) in zip(stacked_caches, plain_caches):
+        assert k1.dtype == kv_dtype
+        for a, b in ((k1, k2), (v1, v2)):
+            diff = (a.float() - b.float()).abs()
+            assert (diff <= ulp * b.float().abs().clamp_min(1e-3) * 1.01).all()
+            assert (a == b).float().mean() > 0.99  # nearly all bit for bit
 
 
 def test_torch_fallback_matches_the_kernels(kernel_variant, monkeypatch: pytest.MonkeyPatch) -> None:

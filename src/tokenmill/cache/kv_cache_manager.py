@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from typing import Literal
 
 from tokenmill.cache.block_pool import BlockPool
@@ -62,6 +63,9 @@ class KVCacheManager:
         self.pool = BlockPool(cache_config.num_blocks)
         self._requests: dict[str, Request] = {}  # requests holding blocks or a reservation
         self._num_reserved_unused = 0  # sum of num_reserved_blocks over tracked requests
+        # with a lower tier (the disk, worker/kv_offload.py): blocks registered since the last take_newly_cached
+        self.record_newly_cached = False
+        self._newly_cached: list[tuple[int, bytes]] = []
 
     # --- accounting ---------------------------------------------------------------------------
     @property
@@ -275,8 +279,49 @@ class KVCacheManager:
         for i in range(request.num_cached_blocks, num_full):
             if request.block_ids[i] == DROPPED:  # released before it was registered: nothing to cache
                 continue
-            self.pool.cache(request.block_ids[i], hashes[i])  # False: a twin computed at once; stays private
+            # False: a twin computed at once; stays private
+            if self.pool.cache(request.block_ids[i], hashes[i]) and self.record_newly_cached:
+                self._newly_cached.append((request.block_ids[i], hashes[i]))
         request.mark_blocks_cached(num_full)
+
+    def take_newly_cached(self) -> list[tuple[int, bytes]]:
+        """(block, hash) of every block registered since the last call, when ``record_newly_cached``: the blocks
+        a lower tier copies before the next step can overwrite them."""
+        out, self._newly_cached = self._newly_cached, []
+        return out
+
+    def promote_prefix(self, request: Request, load: Callable[[int, bytes], bool]) -> int:
+        """Bring back from a lower tier the request's prefix blocks that the memory tier lacks.
+
+        Walks the request's full blocks in order (never its last token, as :meth:`find_cached_prefix`): a block
+        cached in memory is held; a missing one gets a free block, which ``load(block, hash)`` fills (False: the
+        tier has no good copy, and the walk ends there). Then every held block goes back to the free queue,
+        cached, the chain's head last (evicted last), for :meth:`find_cached_prefix` to find. Returns how many
+        blocks were brought back. The free-block count is the same after as before: admission decides as usual."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        held: list[int] = []
+        num_promoted = 0
+        try:
+            for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+                block = self.pool.lookup(block_hash)
+                if block is not None:
+                    self.pool.touch([block])
+                    held.append(block)
+                    continue
+                if self.num_free_blocks < 1:
+                    break
+                allocated = self.pool.allocate(1)
+                assert allocated is not None  # a free block was counted
+                if not load(allocated[0], block_hash):
+                    self.pool.free(allocated)
+                    break
+                self.pool.cache(allocated[0], block_hash)
+                held.append(allocated[0])
+                num_promoted += 1
+        finally:
+            self.pool.free(held)
+        return num_promoted
 
     # --- checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -177,8 +177,9 @@ def write_kv(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_slots = num_blocks * block_size
     # view (not reshape): a non-contiguous cache must fail loudly, not be written into a copy
-    k_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [num_slots, Hkv, D]
-    v_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # in the cache's dtype (a 16-bit cache: rounded to nearest even, as the C++ decode stack rounds)
+    k_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -203,8 +204,8 @@ def paged_attention_windowed(
         first_block = first_key // bs
         blocks = meta.block_tables[i, first_block : num_blocks_for(seq_len, bs)]
         base = first_block * bs  # position of the first gathered key
-        k = gather_context(k_cache, blocks, seq_len - base)  # [S, Hkv, D]
-        v = gather_context(v_cache, blocks, seq_len - base)
+        k = gather_context(k_cache, blocks, seq_len - base).to(q.dtype)  # [S, Hkv, D]
+        v = gather_context(v_cache, blocks, seq_len - base).to(q.dtype)
         query_pos = torch.arange(first_query, seq_len, device=q.device)[:, None]
         key_pos = torch.arange(base, seq_len, device=q.device)[None, :]
         visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [Tq, S]

@@ -76,8 +76,8 @@ def attend_prefills(
     prefill = _prefill_sdpa if use_sdpa else _prefill_chunked
     k_cache, v_cache = kv_cache
     for seq in prefills:
-        k = gather_context(k_cache, seq.block_ids, seq.seq_len)  # [S, Hkv, D]
-        v = gather_context(v_cache, seq.block_ids, seq.seq_len)  # [S, Hkv, D]
+        k = gather_context(k_cache, seq.block_ids, seq.seq_len).to(q.dtype)  # [S, Hkv, D]
+        v = gather_context(v_cache, seq.block_ids, seq.seq_len).to(q.dtype)  # [S, Hkv, D]
         out[seq.start : seq.end] = prefill(q[seq.start : seq.end], k, v, seq, scale)
 
 
@@ -157,8 +157,8 @@ def _decode_bucket(
     flat_shape = (num_blocks, block_size * num_kv_heads * head_dim)
     k = k_cache.view(flat_shape).index_select(0, bucket.block_ids)  # [n * max_blocks, bs * Hkv * D]
     v = v_cache.view(flat_shape).index_select(0, bucket.block_ids)
-    k = k.view(num_rows, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
-    v = v.view(num_rows, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
+    k = k.view(num_rows, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
+    v = v.view(num_rows, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
     # query heads h*group .. h*group+group-1 share KV head h: they become the "query length"
     q_rows = q.index_select(0, bucket.token_rows).view(
         num_rows, num_kv_heads, group, head_dim

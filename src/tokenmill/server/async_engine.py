@@ -412,6 +412,8 @@ class AsyncEngine:
             self._fail_pending_commands()
             self._publish(alive=False)
             self.observers.close()
+            if getattr(engine, "kv_disk", None) is not None:  # the blocks still queued reach the disk
+                engine.kv_disk.close()
         if self._error is not None and self.on_dead is not None:
             self.on_dead(self._error)
 

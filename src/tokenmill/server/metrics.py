@@ -62,6 +62,28 @@ ENGINE_TOTALS = (
         "Prompt tokens served from the prefix cache (not computed).",
         "num_prefix_hit_tokens",
     ),
+    (
+        "vllm:external_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache's disk tier (past the memory tier).",
+        "num_disk_queried_tokens",
+    ),
+    (
+        "vllm:external_prefix_cache_hits",
+        "Prompt tokens read back from the prefix cache's disk tier (not computed).",
+        "num_disk_hit_tokens",
+    ),
+    ("tokenmill:kv_disk_stored_blocks", "KV blocks written to the disk tier.", "num_disk_stored_blocks"),
+    ("tokenmill:kv_disk_evicted_blocks", "Disk-tier blocks removed by its bound.", "num_disk_evicted_blocks"),
+    (
+        "tokenmill:kv_disk_corrupt_blocks",
+        "Disk-tier files refused by their length or checksum (deleted, computed again).",
+        "num_disk_corrupt_blocks",
+    ),
+    (
+        "tokenmill:kv_disk_failed_writes",
+        "Blocks not written to the disk tier (the file system refused, or the write queue was full).",
+        "num_disk_failed_writes",
+    ),
     ("tokenmill:iterations", "Engine iterations that computed at least one row.", "num_iterations"),
     ("tokenmill:token_slots", "Row-iterations computed.", "num_token_slots"),
     ("tokenmill:recomputed_tokens", "Tokens computed again after a preemption.", "num_recomputed_tokens"),

@@ -66,6 +66,7 @@ class ModelRunner:
         tp_group: Any = None,
         draft: LoadedModel | None = None,
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``requests``: the engine's table of live requests, read (never written) for their sampling state.
         ``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
@@ -81,7 +82,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         kv_config = loaded.config if tp_group is None else tp_group.local_config
-        self.kv_caches = allocate_kv_cache(kv_config, num_blocks, block_size, loaded.dtype, loaded.device)
+        self.kv_dtype = kv_dtype or loaded.dtype  # the KV cache's elements (EngineConfig.kv_cache_dtype)
+        self.kv_caches = allocate_kv_cache(kv_config, num_blocks, block_size, self.kv_dtype, loaded.device)
         self.sampler = Sampler(seed)
         self.drafter = None  # speculative decoding's draft model (worker/drafter.py): fills rows' draft slots
         if draft is not None:

@@ -141,7 +141,7 @@ def _backend_and_device(load_kwargs: dict[str, Any], rank: int) -> tuple[str, di
 
 
 def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str, Any], num_blocks: int,
-                 block_size: int, num_threads: int, timeout_s: float) -> None:  # fmt: skip
+                 block_size: int, num_threads: int, timeout_s: float, kv_dtype: str) -> None:  # fmt: skip
     from tokenmill.model.loader import allocate_kv_cache, load_model
     from tokenmill.worker.model_runner import forward_rows
 
@@ -151,7 +151,7 @@ def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
     loaded = load_model(**load_kwargs)
     local_config = _prepare(loaded, rank, world)
-    kv = allocate_kv_cache(local_config, num_blocks, block_size, loaded.dtype, loaded.device)
+    kv = allocate_kv_cache(local_config, num_blocks, block_size, getattr(torch, kv_dtype), loaded.device)
     dist.barrier()  # loaded: the driver may start
     with torch.inference_mode():
         while True:
@@ -168,7 +168,7 @@ class TensorParallelGroup:
     """The driver's side: starts ``world - 1`` workers, shards its own model as rank 0, broadcasts each step."""
 
     def __init__(self, loaded: Any, load_kwargs: dict[str, Any], world: int, num_blocks: int, block_size: int,
-                 timeout_s: float = 30.0) -> None:  # fmt: skip
+                 timeout_s: float = 30.0, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         check_size(loaded.config.num_key_value_heads, world)
         if loaded.device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(
@@ -184,7 +184,17 @@ class TensorParallelGroup:
         self.workers = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, world, init_method, load_kwargs, num_blocks, block_size, num_threads, timeout_s),
+                args=(
+                    r,
+                    world,
+                    init_method,
+                    load_kwargs,
+                    num_blocks,
+                    block_size,
+                    num_threads,
+                    timeout_s,
+                    str(kv_dtype or loaded.dtype).removeprefix("torch."),
+                ),
                 daemon=True,
                 name=f"tokenmill-tp{r}",
             )

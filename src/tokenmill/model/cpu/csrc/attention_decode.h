@@ -1,5 +1,6 @@
-// Paged attention for decode rows on CPU (fp32): each row's single query attends over its own blocks, read in
-// place from the paged cache. No gather, no padding. Cache layout per layer: [num_blocks, block_size, Hkv, D];
+// Paged attention for decode rows on CPU: each row's single query attends over its own blocks, read in place from
+// the paged cache. No gather, no padding. Cache layout per layer: [num_blocks, block_size, Hkv, D], its elements
+// fp32, fp16 or bf16 (simd::KvType: converted to fp32 as they are loaded, the arithmetic fp32 throughout);
 // query heads h*G .. h*G+G-1 share KV head h.
 #pragma once
 #include <torch/extension.h>
@@ -32,9 +33,12 @@ inline void axpy(float w, const float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += w * v[i];
 }
 
+template <simd::KvType K = simd::KvType::kF32>
 struct PagedCache {
-  const float* k;
-  const float* v;
+  using Elem = simd::KvElem<K>;
+  static constexpr simd::KvType kType = K;
+  const Elem* k;
+  const Elem* v;
   int64_t block_size, num_kv_heads, head_dim;
   int64_t token_stride() const { return num_kv_heads * head_dim; }
   int64_t block_stride() const { return block_size * num_kv_heads * head_dim; }
@@ -85,8 +89,9 @@ inline float max_of(const float* scores, int64_t n) {
 // blocks ahead, the whole block for all heads at once, or token-major passes over all heads of a row were no
 // better, prefetching into L1 worse.
 constexpr int kPrefetchBlocks = 4;
+template <class Cache>
 struct Prefetcher {
-  const PagedCache& c;
+  const Cache& c;
   const int64_t* block_tables;
   int64_t max_blocks;
   const int64_t* seq_lens;
@@ -104,7 +109,7 @@ struct Prefetcher {
         const int64_t off = block_tables[table * max_blocks + block] * c.block_stride() + h * D;
         const int64_t n = std::min(BS, len - block * BS);
         for (int64_t i = 0; i < n; ++i)
-          for (int64_t d = 0; d < D; d += 16) {  // a 64-byte cache line each
+          for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(typename Cache::Elem))) {  // a 64-byte line each
             simd::prefetch_l2(c.k + off + i * ts + d);
             simd::prefetch_l2(c.v + off + i * ts + d);
           }
@@ -119,12 +124,47 @@ struct Prefetcher {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled together (larger groups are split)
 
+// A key or value row as fp32: the cache's own row when it is fp32, else converted into `scratch` [n].
+template <simd::KvType K>
+inline const float* as_float_row(const simd::KvElem<K>* p, int64_t n, float* scratch) {
+  if constexpr (K == simd::KvType::kF32) {
+    return p;
+  } else {
+    simd::kv_row_to_float<K>(p, n, scratch);
+    return scratch;
+  }
+}
+
+// Calls fn(cache) with the paged cache of k_cache and v_cache in their element type (fp32, fp16 or bf16).
+template <class Fn>
+inline void with_paged_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, Fn&& fn) {
+  using simd::KvType;
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat32:
+      fn(PagedCache<KvType::kF32>{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS, Hkv, D});
+      break;
+    case torch::kFloat16:
+      fn(PagedCache<KvType::kF16>{reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::Half>()),
+                                  reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::Half>()), BS, Hkv, D});
+      break;
+    case torch::kBFloat16:
+      fn(PagedCache<KvType::kBF16>{reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                                   reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), BS, Hkv, D});
+      break;
+    default:
+      TORCH_CHECK(false, "KV caches: fp32, fp16 or bf16, not ", k_cache.scalar_type());
+  }
+}
+
 // attend_group for head_dim = kLanes * NV and GC query heads, the queries and outputs held in vectors (in registers
 // where they fit, else spilled to L1 and read as FMA operands): QK four tokens at a time (one batched reduction per
 // head), the softmax with a vector exp, PV accumulated in GC * NV vectors.
-template <int NV, int GC>
-inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_t* block_table, int64_t seq_len,
-                               int64_t kv_head, float scale, float* out, float* scores, Prefetcher& pf) {
+template <int NV, int GC, class Cache>
+inline void attend_group_fixed(const float* q, const Cache& c, const int64_t* block_table, int64_t seq_len,
+                               int64_t kv_head, float scale, float* out, float* scores, Prefetcher<Cache>& pf) {
+  constexpr simd::KvType K = Cache::kType;
   using namespace simd;
   constexpr int64_t D = kLanes * NV;
   const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
@@ -132,7 +172,7 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) qv[g][v] = mul(load(q + g * D + kLanes * v), set1(scale));
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
     pf.step();
     int64_t i = 0;
@@ -142,7 +182,7 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
         for (int j = 0; j < 4; ++j) acc[g][j] = zero();
       for (int v = 0; v < NV; ++v)
         for (int j = 0; j < 4; ++j) {
-          const Vec kv = load(kb + (i + j) * ts + kLanes * v);
+          const Vec kv = load_kv<K>(kb + (i + j) * ts + kLanes * v);
           for (int g = 0; g < GC; ++g) acc[g][j] = fmadd(qv[g][v], kv, acc[g][j]);
         }
       for (int g = 0; g < GC; ++g) reduce_add4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scores + g * seq_len + t0 + i);
@@ -150,7 +190,7 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
     for (; i < n; ++i)
       for (int g = 0; g < GC; ++g) {
         Vec acc = zero();
-        for (int v = 0; v < NV; ++v) acc = fmadd(qv[g][v], load(kb + i * ts + kLanes * v), acc);
+        for (int v = 0; v < NV; ++v) acc = fmadd(qv[g][v], load_kv<K>(kb + i * ts + kLanes * v), acc);
         scores[g * seq_len + t0 + i] = reduce_add(acc);
       }
   }
@@ -164,11 +204,11 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) o[g][v] = zero();
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
     for (int64_t i = 0; i < n; ++i) {
       Vec vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load(vb + i * ts + kLanes * v);
+      for (int v = 0; v < NV; ++v) vv[v] = load_kv<K>(vb + i * ts + kLanes * v);
       for (int g = 0; g < GC; ++g) {
         const Vec p = set1(scores[g * seq_len + t0 + i]);
         for (int v = 0; v < NV; ++v) o[g][v] = fmadd(p, vv[v], o[g][v]);
@@ -180,10 +220,10 @@ inline void attend_group_fixed(const float* q, const PagedCache& c, const int64_
 }
 
 // attend_group_fixed for up to GC query heads at a time (a run-time count 1 <= g <= GC)
-template <int NV, int GC>
-inline void attend_group_chunk(int g, const float* q, const PagedCache& c, const int64_t* block_table,
+template <int NV, int GC, class Cache>
+inline void attend_group_chunk(int g, const float* q, const Cache& c, const int64_t* block_table,
                                int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores,
-                               Prefetcher& pf) {
+                               Prefetcher<Cache>& pf) {
   if constexpr (GC >= 1) {
     if (g == GC) return attend_group_fixed<NV, GC>(q, c, block_table, seq_len, kv_head, scale, out, scores, pf);
     attend_group_chunk<NV, GC - 1>(g, q, c, block_table, seq_len, kv_head, scale, out, scores, pf);
@@ -200,8 +240,11 @@ constexpr int kGroupChunk = 4;
 // The G (<= kMaxGroup) query heads that share KV head `kv_head`, for one decode row: q [G, D] over the row's first
 // `seq_len` cached tokens -> out [G, D]. `scores` is scratch of at least G * seq_len floats. Each K and V row is
 // loaded once for all G heads.
-inline void attend_group(const float* q, int64_t G, const PagedCache& c, const int64_t* block_table,
-                         int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores, Prefetcher& pf) {
+template <class Cache>
+inline void attend_group(const float* q, int64_t G, const Cache& c, const int64_t* block_table,
+                         int64_t seq_len, int64_t kv_head, float scale, float* out, float* scores,
+                         Prefetcher<Cache>& pf) {
+  constexpr simd::KvType K = Cache::kType;
   const int64_t D = c.head_dim;
   // Register kernels for the common head sizes, in chunks of query heads (not on base: its vectors are arrays)
   if (simd::kNumRegs >= 16 && (D == 64 || D == 128)) {
@@ -217,15 +260,16 @@ inline void attend_group(const float* q, int64_t G, const PagedCache& c, const i
     return;
   }
   const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
+  std::vector<float> row(K == simd::KvType::kF32 ? 0 : D);  // a 16-bit key or value row as fp32
 
   float max_score[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const float* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
     pf.step();
     for (int64_t i = 0; i < n; ++i) {
-      const float* k = kb + i * ts;
+      const float* k = as_float_row<K>(kb + i * ts, D, row.data());
       for (int64_t g = 0; g < G; ++g) {
         const float s = dot(q + g * D, k, D) * scale;
         scores[g * seq_len + t0 + i] = s;
@@ -237,16 +281,19 @@ inline void attend_group(const float* q, int64_t G, const PagedCache& c, const i
   for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / exp_sum(scores + g * seq_len, seq_len, max_score[g]);
   std::fill(out, out + G * D, 0.f);
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const float* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
     const int64_t n = std::min(BS, seq_len - t0);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t g = 0; g < G; ++g) axpy(scores[g * seq_len + t0 + i] * inv[g], vb + i * ts, out + g * D, D);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = as_float_row<K>(vb + i * ts, D, row.data());
+      for (int64_t g = 0; g < G; ++g) axpy(scores[g * seq_len + t0 + i] * inv[g], v, out + g * D, D);
+    }
   }
 }
 
 // Rows x KV-head groups as one parallel range: q [B, Hq, D] -> out [B, Hq, D].
 // Row b reads block table table_index[b] (b itself when table_index is null).
-inline void attend_rows(const float* q, const PagedCache& c, const int64_t* block_tables, int64_t max_blocks,
+template <class Cache>
+inline void attend_rows(const float* q, const Cache& c, const int64_t* block_tables, int64_t max_blocks,
                         const int64_t* seq_lens, int64_t B, int64_t Hq, float scale, float* out,
                         const int64_t* table_index = nullptr) {
   const int64_t D = c.head_dim, G = Hq / c.num_kv_heads;
@@ -254,7 +301,7 @@ inline void attend_rows(const float* q, const PagedCache& c, const int64_t* bloc
   const int64_t items_per_row = c.num_kv_heads * chunks_per_kv;
   at::parallel_for(0, B * items_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    Prefetcher pf{c, block_tables, max_blocks, seq_lens, table_index, items_per_row, chunks_per_kv, begin, end};
+    Prefetcher<Cache> pf{c, block_tables, max_blocks, seq_lens, table_index, items_per_row, chunks_per_kv, begin, end};
     for (int p = 0; p < kPrefetchBlocks; ++p) pf.step();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_row, h = (item % items_per_row) / chunks_per_kv;
@@ -276,8 +323,7 @@ inline void attend_rows(const float* q, const PagedCache& c, const int64_t* bloc
 inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                   torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                   c10::optional<torch::Tensor> table_index) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
-              "fp32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "q: fp32");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 indices");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -302,8 +348,9 @@ inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch:
     if (ti.defined()) TORCH_CHECK(ti.data_ptr<int64_t>()[b] >= 0 && ti.data_ptr<int64_t>()[b] < bt.size(0), "table_index");
   }
   auto out = torch::empty_like(q);
-  const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS, k_cache.size(2), D};
-  attend_rows(q.data_ptr<float>(), cache, tp, max_blocks, sl.data_ptr<int64_t>(), B, Hq, static_cast<float>(scale),
-              out.data_ptr<float>(), ti.defined() ? ti.data_ptr<int64_t>() : nullptr);
+  with_paged_cache(k_cache, v_cache, [&](const auto& cache) {
+    attend_rows(q.data_ptr<float>(), cache, tp, max_blocks, sl.data_ptr<int64_t>(), B, Hq, static_cast<float>(scale),
+                out.data_ptr<float>(), ti.defined() ? ti.data_ptr<int64_t>() : nullptr);
+  });
   return out;
 }

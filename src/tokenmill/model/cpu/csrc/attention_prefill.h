@@ -1,4 +1,5 @@
-// Causal attention for the prompt tokens of a prefill step on CPU (fp32), over the paged cache.
+// Causal attention for the prompt tokens of a prefill step on CPU, over the paged cache (fp32, fp16 or bf16 elements,
+// converted to fp32 as they are copied out; the arithmetic fp32).
 //
 // The one-query-per-row kernel (attention_decode.h) loads every key and value once per query token. Here a tile
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
@@ -40,7 +41,8 @@ struct PrefillScratch {
 // One tile: tokens [j0, j1) of sequence `seq`, whose query tokens start at flat row q_start, the first at
 // position first_pos, total_len = first_pos + its query tokens; KV head h. q/out [T, Hq, D].
 // A thread runs the tiles of one (sequence, KV head) in order, so K^T only grows: each key is transposed once.
-inline void prefill_tile(const float* q, float* out, const PagedCache& c, const int64_t* block_table, int64_t seq,
+template <class Cache>
+inline void prefill_tile(const float* q, float* out, const Cache& c, const int64_t* block_table, int64_t seq,
                          int64_t q_start, int64_t first_pos, int64_t total_len, int64_t j0, int64_t j1, int64_t h,
                          int64_t Hq, float scale, PrefillScratch& s) {
   const int64_t D = c.head_dim, G = Hq / c.num_kv_heads, ts = c.token_stride(), bs = c.block_stride();
@@ -58,13 +60,14 @@ inline void prefill_tile(const float* q, float* out, const PagedCache& c, const 
   // tokens at a time (V read in place, through the block table, ran 30% slower on AVX2)
   for (int64_t t0 = s.num_keys; t0 < num_keys;) {
     const int64_t n = std::min(BS - t0 % BS, num_keys - t0), offset = block_table[t0 / BS] * bs + (t0 % BS) * ts;
-    const float* kb = c.k + offset + h * D;
+    constexpr simd::KvType K = Cache::kType;
+    const auto* kb = c.k + offset + h * D;
     for (int64_t d = 0; d < D; ++d) {
       float* dst = s.kt.data() + d * ld + t0;
-      for (int64_t i = 0; i < n; ++i) dst[i] = kb[i * ts + d];
+      for (int64_t i = 0; i < n; ++i) dst[i] = simd::kv_to_float<K>(kb[i * ts + d]);
     }
-    const float* vb = c.v + offset + h * D;
-    for (int64_t i = 0; i < n; ++i) std::copy_n(vb + i * ts, D, s.v.data() + (t0 + i) * D);
+    const auto* vb = c.v + offset + h * D;
+    for (int64_t i = 0; i < n; ++i) simd::kv_row_to_float<K>(vb + i * ts, D, s.v.data() + (t0 + i) * D);
     t0 += n;
   }
   s.num_keys = num_keys;
@@ -139,9 +142,7 @@ inline bool paged_prefill_supported(int64_t head_dim) { return head_dim > 0 && h
 // Writes the rows of those sequences into out; other rows are left as they are.
 inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seqs, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
-              "fp32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "q and out: fp32");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "contiguous only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -175,7 +176,6 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
         cost_before.push_back(cost_before.back() + double(j1 - j0) * double(first_pos + j1 + kPanel));
       }
   }
-  const PagedCache cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS, Hkv, D};
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // The threads take contiguous runs of items of equal cost, not of equal count: a causal tile's cost grows with
@@ -188,12 +188,15 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
     return static_cast<int64_t>(std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) -
                                 cost_before.begin());
   };
-  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    PrefillScratch scratch;
-    for (int64_t item = first_item(part_begin); item < first_item(part_end); ++item) {
-      const int64_t i = item_seq[item], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], j0 = item_j0[item];
-      prefill_tile(qp, op, cache, tp + sp[i * 4 + 3] * max_blocks, i, sp[i * 4], first_pos, first_pos + len, j0,
-                   std::min(len, j0 + kPrefillTileTokens), item_head[item], Hq, static_cast<float>(scale), scratch);
-    }
+  with_paged_cache(k_cache, v_cache, [&](const auto& cache) {
+    at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+      PrefillScratch scratch;
+      for (int64_t item = first_item(part_begin); item < first_item(part_end); ++item) {
+        const int64_t i = item_seq[item], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], j0 = item_j0[item];
+        prefill_tile(qp, op, cache, tp + sp[i * 4 + 3] * max_blocks, i, sp[i * 4], first_pos, first_pos + len, j0,
+                     std::min(len, j0 + kPrefillTileTokens), item_head[item], Hq, static_cast<float>(scale),
+                     scratch);
+      }
+    });
   });
 }

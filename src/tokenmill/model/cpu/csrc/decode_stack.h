@@ -162,13 +162,11 @@ class DecodeStack {
       const DecoderLayerWeights& L = layers_[l];
       const torch::Tensor& kc = k_caches[l];
       const torch::Tensor& vc = v_caches[l];
-      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
-                      vc.scalar_type() == torch::kFloat32 && kc.dim() == 4 && kc.size(0) == num_blocks &&
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == k_caches[0].scalar_type() &&
+                      vc.scalar_type() == kc.scalar_type() && kc.dim() == 4 && kc.size(0) == num_blocks &&
                       kc.size(1) == block_size && kc.size(2) == Hkv && kc.size(3) == D && vc.sizes() == kc.sizes(),
-                  "KV caches: contiguous fp32 [num_blocks, block_size, Hkv, D], the same for every layer");
+                  "KV caches: contiguous [num_blocks, block_size, Hkv, D] of one dtype, the same for every layer");
       const int64_t num_slots = kc.size(0) * kc.size(1);
-      float* kp = kc.data_ptr<float>();
-      float* vp = vc.data_ptr<float>();
 
       for (int64_t m = 0; m < M; ++m)
         rms_norm_row(h + m * H, L.input_norm.data_ptr<float>(), H, eps_, normed.data() + m * H);
@@ -186,13 +184,22 @@ class DecodeStack {
         // q and k heads are adjacent: rotate them in place
         rope_heads(row, row, Hq + Hkv, D, R, cos_p + m * half, sin_p + m * half);
         TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "slot out of range");
-        std::copy(row + q_size, row + q_size + kv_size, kp + slots[m] * kv_size);
-        std::copy(row + q_size + kv_size, row + qkv_size, vp + slots[m] * kv_size);
         std::copy(row, row + q_size, q_rows.data() + m * q_size);
       }
-      const PagedCache cache{kp, vp, kc.size(1), Hkv, D};
-      attend_rows(q_rows.data(), cache, tables, max_blocks, lens, M, Hq,
-                  1.f / std::sqrt(static_cast<float>(D)), attn.data());
+      with_paged_cache(kc, vc, [&](const auto& cache) {
+        using Elem = typename std::decay_t<decltype(cache)>::Elem;
+        constexpr simd::KvType K = std::decay_t<decltype(cache)>::kType;
+        // K and V of each row into its slot, rounded to the cache's dtype (as torch's .to() rounds)
+        auto* kp = const_cast<Elem*>(cache.k);
+        auto* vp = const_cast<Elem*>(cache.v);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* row = qkv.data() + m * qkv_size;
+          simd::kv_row_from_float<K>(row + q_size, kv_size, kp + slots[m] * kv_size);
+          simd::kv_row_from_float<K>(row + q_size + kv_size, kv_size, vp + slots[m] * kv_size);
+        }
+        attend_rows(q_rows.data(), cache, tables, max_blocks, lens, M, Hq, 1.f / std::sqrt(static_cast<float>(D)),
+                    attn.data());
+      });
       L.o.apply(attn.data(), M, proj.data());
       for (int64_t i = 0; i < M * H; ++i) h[i] += proj[i];
 
