@@ -5,10 +5,10 @@ the prefix cache's disk tier, side by side in one run.
 
 An agent's first request is its system prompt and tool definitions, the same at every start (Claude Code's:
 about 19,000 tokens). Here it is a chat whose system message is ``--tokens`` tokens of Python's standard library
-source (a stand-in of the same size and kind, not a captured request). Three fresh processes, each building the
+source (a stand-in of the same size and kind, not a captured request). Fresh processes, each building the
 default engine (``LLM``) with the disk tier in one temporary folder: the first computes the prompt (cold) and
-writes its blocks; the second is a restart that reads them back; the third runs with the tier off (the cold
-figure again, after the files are in the page cache). Each times one request of one greedy token (time to first
+writes its blocks; the second is a restart that reads them back; with ``--with-off`` a third runs with the tier
+off (the cold figure again: what writing the blocks costs). Each times one request of one greedy token (time to first
 token) and prints the prefill tokens computed and the tokens read back.
 """
 
@@ -60,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--tokens", type=int, default=19000)
+    parser.add_argument(
+        "--with-off", action="store_true", help="a third process with the tier off (cold again)"
+    )
     args = parser.parse_args(argv)
     print(
         f"{cpu_name()}, {os.cpu_count()} cores; {args.model}; a {args.tokens}-token system prompt", flush=True
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="disk-prefix-") as folder:
-        for label, disk_bytes in (
-            ("cold (tier on)", 8 << 30),
-            ("restart (tier on)", 8 << 30),
-            ("tier off", 0),
-        ):
+        runs = [("cold (tier on)", 8 << 30), ("restart (tier on)", 8 << 30)]
+        for label, disk_bytes in runs + ([("tier off", 0)] if args.with_off else []):
             cmd = [sys.executable, "-c", _CHILD, args.model, folder, str(disk_bytes), str(args.tokens)]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:

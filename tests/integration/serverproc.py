@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +40,11 @@ class ServerProcess:
         self.module = module  # run as `python -m module`; faulty_launch injects step failures
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = [*SMALL_ARGS, *args]
+        # the prefix cache's disk tier (on by default) in a folder of this server's: blocks that an earlier
+        # server (or test run) computed must not turn up as cached tokens here
+        self.kv_dir = tempfile.mkdtemp(prefix="tokenmill-kv-")
+        own_tier = any(a in ("--kv-cache-disk-dir", "--no-kv-cache-disk") for a in args)
+        self.args = [*SMALL_ARGS, *(() if own_tier else ("--kv-cache-disk-dir", self.kv_dir)), *args]
         self.env = {**os.environ, **(env or {})}
         self.log = tempfile.NamedTemporaryFile(prefix="tokenmill-serve-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc: subprocess.Popen[bytes] | None = None
@@ -110,6 +115,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.kv_dir, ignore_errors=True)
         return self.proc.returncode
 
 

@@ -202,3 +202,11 @@ def test_promotion_stops_at_a_bad_block_and_keeps_memory_blocks() -> None:
     assert len(manager.find_cached_prefix(again)) == 3
     manager.check_integrity()
     assert manager.num_free_blocks == 32
+
+
+def test_a_file_removed_since_the_lookup_is_a_plain_miss(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, 1 << 20)
+    store.write(_hash(1), _payload(1))
+    (tmp_path / f"{_hash(1).hex()}.kv").unlink()  # another process's eviction
+    assert store.read(_hash(1), PAYLOAD) is None
+    assert store.stats.num_corrupt == 0 and store.stats.num_misses == 1 and _hash(1) not in store

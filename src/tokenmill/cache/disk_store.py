@@ -126,10 +126,15 @@ class DiskBlockStore:
         try:
             with open(path, "rb") as f:  # into a writable buffer: the caller's tensor views it without a copy
                 raw = bytearray(os.fstat(f.fileno()).st_size)
-                raw = raw[: f.readinto(raw)]
+                num_read = f.readinto(raw)
+        except FileNotFoundError:  # evicted since the lookup (by this store's writer, or another process)
+            with self._lock:
+                self._forget(block_hash)
+            self.stats.num_misses += 1
+            return None
         except OSError:
-            raw = bytearray()
-        payload = _unpack(raw, num_bytes)
+            raw, num_read = bytearray(), 0
+        payload = _unpack(memoryview(raw)[:num_read], num_bytes)
         with self._lock:
             if payload is None:
                 self._forget(block_hash)
@@ -178,11 +183,11 @@ class DiskBlockStore:
         return True
 
 
-def _unpack(raw: bytearray, num_bytes: int) -> memoryview | None:
+def _unpack(raw: memoryview, num_bytes: int) -> memoryview | None:
     if len(raw) < _HEADER.size:
         return None
     magic, version, length, crc = _HEADER.unpack_from(raw)
-    payload = memoryview(raw)[_HEADER.size :]  # no copy
+    payload = raw[_HEADER.size :]  # a view: no copy
     if magic != _MAGIC or version != _VERSION or length != num_bytes or len(payload) != length:
         return None
     if zlib.crc32(payload) != crc:
