@@ -353,6 +353,9 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
     for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile, g, d, row);
 }
 
+// Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
+constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
+
 // The 4-bit format in its quad layout (meta layouts 1 and 5), for 8-bit activations: per group, the kPanel scales
 // and mins (layout 5: a K-quant's, as layout 2 keeps them: int8 multipliers of per-super-block units, 4.75 bits a
 // weight instead of 6), then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4
@@ -364,6 +367,7 @@ struct Q4QuadT : Fmt<4, 32, true, kFactored> {
   static constexpr int kNumQuads = 8;
   static constexpr int32_t kBias = 0;  // codes stored as they are
   static constexpr int64_t kQuadBytes = 2 * kPanel;
+  static constexpr int kRows = kQ8Rows;  // rows per register block
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and 8 quads");
   // quad u's codes: tile rows 0 .. kLanes - 1 (low nibbles) and kLanes .. kPanel - 1 (high)
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
@@ -396,6 +400,9 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored> {
   static constexpr int kNumQuads = Group / 4;
   static constexpr int32_t kBias = 32;
   static constexpr int64_t kQuadBytes = kCodeBits * kPanel / 2;
+  // rows per register block: on 16 registers the six-bit unpack's constants and temporaries leave room for 3 rows'
+  // accumulators, not 4 (4 spilled: the 1.5B's head at 64 rows took 1.48x a byte quad's time on AVX2, 1.0x at 3)
+  static constexpr int kRows = kCodeBits == 6 && simd::kNumRegs < 32 ? 3 : kQ8Rows;
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and its quads");
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
     const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
@@ -466,8 +473,6 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
   });
 }
 
-// Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
-constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
 
 // c[r][0:ncols] for rows m .. m + R - 1 of the activations times one tile of F (Q4Quad, ByteQuad): per group, the
 // integer dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
@@ -525,11 +530,11 @@ inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile
 template <class F>
 inline void q8_rows(const Q8Acts& x, int64_t m0, int64_t m1, const uint8_t* tile, float* y, int64_t ldy,
                     int64_t ncols) {
-  const int64_t num_chunks = (m1 - m0 + kQ8Rows - 1) / kQ8Rows;
+  const int64_t num_chunks = (m1 - m0 + F::kRows - 1) / F::kRows;
   int64_t m = m0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t rows = (m1 - m) / (num_chunks - c);
-    q8_block_n<F, kQ8Rows>(static_cast<int>(rows), x, m, tile, y + m * ldy, ldy, ncols);
+    q8_block_n<F, F::kRows>(static_cast<int>(rows), x, m, tile, y + m * ldy, ldy, ncols);
     m += rows;
   }
 }
