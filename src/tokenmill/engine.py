@@ -242,19 +242,7 @@ class Engine:
 
         offloader = build_offloader(self.config, self.loaded, self.runner.kv_caches)
         self.kv_manager.record_newly_cached = True
-        self._disk_walked: set[str] = set()  # waiting requests whose prefix the disk was asked for
         return offloader
-
-    def _promote_from_disk(self) -> None:
-        """Before scheduling: the disk's blocks of the prefixes of the requests that may be admitted now."""
-        room = self.scheduler_config.max_num_seqs - self.scheduler.num_running
-        candidates = [r for r in itertools.islice(self.scheduler.waiting, max(0, room))]
-        fresh = [r for r in candidates if r.request_id not in self._disk_walked]
-        if fresh:
-            self._disk_walked.update(r.request_id for r in fresh)
-            self.kv_disk.promote(self.kv_manager, fresh)
-        if len(self._disk_walked) > 4 * self.scheduler_config.max_num_seqs:  # admitted or gone: forget them
-            self._disk_walked = {r.request_id for r in self.scheduler.waiting} & self._disk_walked
 
     def _build_roofline(self) -> StepRoofline | None:
         """The machine's limits (config.hardware_limits: measured now, or given) for each step's roofline."""
@@ -517,8 +505,9 @@ class Engine:
         step's own requests: they end with ``finish_reason="error"`` and their blocks return to the pool, the
         exception is kept in ``StepResult.error``, and the next step serves everyone else."""
         start_s = time.perf_counter()  # the roofline's wall time (the engine's clock may be a unit clock)
-        if self.kv_disk is not None:
-            self._promote_from_disk()
+        if self.kv_disk is not None:  # the disk's blocks of the prefixes of the requests admissible now
+            room = self.scheduler_config.max_num_seqs - self.scheduler.num_running
+            self.kv_disk.promote(self.kv_manager, self.scheduler.waiting, room)
         scheduler_output = self.scheduler.schedule(now_s=self.clock())
         result = StepResult(record=scheduler_output.record)
         try:

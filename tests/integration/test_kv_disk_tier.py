@@ -116,3 +116,22 @@ def test_off_by_default_in_the_library_and_with_zero(loaded, tmp_path: Path) -> 
     assert _engine(loaded, tmp_path, kv_cache_disk_bytes=0).kv_disk is None
     with pytest.raises(ValueError, match="kv_cache_disk_bytes"):
         _engine(loaded, tmp_path, kv_cache_disk_bytes=-5)
+
+
+def test_a_failing_disk_costs_hits_never_the_request(loaded, tmp_path: Path, monkeypatch) -> None:
+    prompt = _prompt(loaded)
+    cold = _engine(loaded, tmp_path)
+    expected = _run(cold, prompt)
+    cold.kv_disk.flush()
+    cold.close()
+    warm = _engine(loaded, tmp_path)
+
+    def broken(*_args) -> bool:
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(warm.kv_disk, "load", broken)
+    monkeypatch.setattr(warm.kv_disk, "_offload", broken)
+    assert _run(warm, prompt) == expected  # computed, not read; nothing written; the step went on
+    assert warm.stats.num_disk_hit_tokens == 0 and warm.stats.num_failed_steps == 0
+    assert warm.stats.num_disk_failed_writes > 0
+    warm.close()

@@ -313,8 +313,13 @@ class KVCacheManager:
                     break
                 allocated = self.pool.allocate(1)
                 assert allocated is not None  # a free block was counted
-                if not load(allocated[0], block_hash):
-                    self.pool.free(allocated)
+                filled = False
+                try:
+                    filled = load(allocated[0], block_hash)
+                finally:
+                    if not filled:  # a miss, or the load raised: the block goes back
+                        self.pool.free(allocated)
+                if not filled:
                     break
                 self.pool.cache(allocated[0], block_hash)
                 held.append(allocated[0])

@@ -16,9 +16,11 @@ written: a restarted server answers a long prompt it has seen with the same toke
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -47,12 +49,21 @@ class KVOffloader:
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._walked: set[str] = set()  # waiting requests whose prefix the disk was asked for
         self._writer = threading.Thread(target=self._write_loop, name="tokenmill-kv-disk", daemon=True)
         self._writer.start()
 
     # --- memory -> disk -----------------------------------------------------------------------------
     def offload(self, blocks: list[tuple[int, bytes]]) -> None:
-        """Copy these (block, hash) pairs' KV now and queue them for the writer (blocks already on disk: skipped)."""
+        """Copy these (block, hash) pairs' KV now and queue them for the writer (blocks already on disk: skipped).
+        A failure here costs the disk those blocks (counted), never the step."""
+        try:
+            self._offload(blocks)
+        except Exception:
+            self.num_dropped_writes += len(blocks)
+            logger.exception("KV disk tier: copying %d blocks failed; they are not written", len(blocks))
+
+    def _offload(self, blocks: list[tuple[int, bytes]]) -> None:
         blocks = [(b, h) for b, h in blocks if h not in self.store]
         if not blocks:
             return
@@ -108,9 +119,23 @@ class KVOffloader:
             v[block].copy_(values[2 * layer + 1])
         return True
 
-    def promote(self, kv_manager: Any, requests: list[Any]) -> int:
-        """Bring back the disk's blocks of these requests' prefixes (``KVCacheManager.promote_prefix``)."""
-        return sum(kv_manager.promote_prefix(request, self.load) for request in requests)
+    def promote(self, kv_manager: Any, waiting: Iterable[Any], room: int) -> int:
+        """Bring back the disk's blocks of the prefixes of the first ``room`` waiting requests, each once while it
+        waits (``KVCacheManager.promote_prefix``). A failure costs that request its disk hits, never the step."""
+        num_promoted = 0
+        for request in itertools.islice(waiting, max(0, room)):
+            if request.request_id in self._walked:
+                continue
+            self._walked.add(request.request_id)
+            try:
+                num_promoted += kv_manager.promote_prefix(request, self.load)
+            except Exception:
+                logger.exception(
+                    "KV disk tier: reading %s's prefix failed; it is computed", request.request_id
+                )
+        if len(self._walked) > 4096:  # requests admitted or gone: keep only those still waiting
+            self._walked &= {r.request_id for r in waiting}
+        return num_promoted
 
     def count_into(self, stats: Any, block_size: int) -> None:
         """The tier's counts into the engine's ``EngineStats`` (``/metrics``)."""
