@@ -13,28 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import cpu_name
 from tokenmill import LLM, SamplingParams
 
 _SPIN = "import time\nwhile True: pass"
-
-
-def cpu_name() -> str:
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor()
-    return f"{fields.get('model name')} (family {fields.get('cpu family')} model {fields.get('model')})"
 
 
 def decode_tps(llm: LLM, prompt: list[int], num_tokens: int, repeats: int) -> float:

@@ -98,3 +98,17 @@ def missing_module(name: str) -> str | None:
     except (ImportError, ValueError):
         found = False
     return None if found else "not installed"
+
+
+def cpu_name() -> str:
+    """The CPU as every figure names it: its model name, family and model number (``/proc/cpuinfo``)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        import platform
+
+        return platform.processor()
+    return f"{fields.get('model name')} (family {fields.get('cpu family')} model {fields.get('model')})"

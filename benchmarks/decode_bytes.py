@@ -24,6 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import cpu_name  # noqa: E402
+
 _CHILD = r"""
 import functools, json, sys, time
 import torch
@@ -53,18 +57,11 @@ for _ in range(2):
     llm.generate([long_prompt], SamplingParams(max_tokens=1))
     prefill_s = min(prefill_s, time.perf_counter() - t0)
 from tokenmill.model.cpu.kernels import kernel_summary
+
 print(json.dumps({"variant": kernel_summary()["kernel_variant"], "decode_tps": best, "prefill_tps": 512 / prefill_s,
                   "read_bytes": decode_read_bytes(loaded.model), "file_bytes": _file_step_bytes(loaded.source),
                   "bandwidth": max(bandwidth.values()), "summary": loaded.describe_weights()}))
 """
-
-
-def cpu_name() -> str:
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name')} (family {fields.get('cpu family')} model {fields.get('model')})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import cpu_name  # noqa: E402
+
 _CHILD = r"""
 import inspect, json, sys, time
 import argparse, collections, dataclasses, json as json_module, pathlib, textwrap
@@ -44,14 +48,6 @@ if llm.engine.kv_disk is not None:
 print(json.dumps({"ttft_s": ttft_s, "prompt_tokens": len(prompt), "prefill_tokens": stats.num_prefill_tokens,
                   "disk_hit_tokens": stats.num_disk_hit_tokens}))
 """
-
-
-def cpu_name() -> str:
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name')} (family {fields.get('cpu family')} model {fields.get('model')})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,17 +18,10 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-
-def cpu_name() -> str:
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name')} (family {fields.get('cpu family')} model {fields.get('model')})"
+from benchmarks.common import cpu_name
 
 
 def step_times(model, depth: int, dtype: torch.dtype, steps: int, block_size: int = 16) -> list[float]:

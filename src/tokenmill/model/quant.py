@@ -341,11 +341,7 @@ def weight_breakdown(model: nn.Module) -> dict[str, int]:
     def add(kind: str, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
-        try:
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except NotImplementedError:
-            key, nbytes = id(t), t.numel() * t.element_size()
+        key, nbytes = _storage(t)
         if key in seen:
             return
         seen.add(key)
@@ -394,11 +390,7 @@ def weight_bytes(model: nn.Module) -> int:
     for t in tensors:
         if t.device.type == "meta":
             continue
-        try:
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except NotImplementedError:  # oneDNN's packed weights: opaque, one owner
-            key, nbytes = id(t), t.numel() * t.element_size()
+        key, nbytes = _storage(t)
         seen[key] = max(seen.get(key, 0), nbytes)
     return sum(seen.values())
 
@@ -420,10 +412,15 @@ def decode_read_bytes(model: nn.Module) -> int:
         for t in [*own, *tensors]:
             if t.device.type == "meta":
                 continue
-            try:
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-            except NotImplementedError:
-                key, nbytes = id(t), t.numel() * t.element_size()
+            key, nbytes = _storage(t)
             seen[key] = max(seen.get(key, 0), nbytes)  # a tied head: the table's storage, counted by the head
     return sum(seen.values())
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(a key for the tensor's storage, its bytes): a storage shared by two tensors (a tied head) has one key."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except NotImplementedError:  # oneDNN's packed weights: opaque, one owner
+        return id(t), t.numel() * t.element_size()

@@ -283,7 +283,12 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
     info = system_info.collect()
     metrics.set_build_info(info)
     logger.info("%s", system_info.one_line(info))
-    logger.info("%s; KV cache %.1f MB", engine.loaded.describe_weights(), engine.kv_cache_bytes / 1e6)
+    logger.info(
+        "%s; KV cache %.1f MB, %d tokens in %s%s",
+        engine.loaded.describe_weights(), engine.kv_cache_bytes / 1e6,
+        engine.num_total_blocks * engine.config.block_size, str(engine.kv_dtype).removeprefix("torch."),
+        "" if engine.kv_disk is None else f", disk tier {engine.kv_disk.store.folder}",
+    )  # fmt: skip
     logger.info("%s", engine.loaded.describe_arithmetic())
     logger.info("%s", engine.generation_defaults.describe())
     async_engine = AsyncEngine(
