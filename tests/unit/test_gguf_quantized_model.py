@@ -306,3 +306,28 @@ def test_unsupported_quantized_type_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MXFP4"):
         load_model(str(path), device="cpu")
     assert "MXFP4" not in gguf_loader._SUPPORTED_TYPES
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_what_a_decode_step_reads_against_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied
+) -> None:
+    """``tokenmill info --load``'s two numbers: the weights a step reads (every storage but the token embedding's
+    table, unless the head is tied to it) and the file's tensor bytes other than the token embedding (the table too
+    when the head is tied), each against an independent count."""
+    from tokenmill.model.quant import decode_read_bytes, weight_bytes
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-low-bit.gguf"
+    write_gguf(path, LOW_BIT_TYPES, tied=tied)
+    reader = gguf.GGUFReader(path)
+    skip = {"token_embd.weight"} if not tied else set()
+    assert gguf_loader.GGUFFile(path).step_bytes() == sum(
+        int(t.n_bytes) for t in reader.tensors if t.name not in skip
+    )
+    loaded = load_model(str(path), device="cpu", quantization="gguf-q8")
+    table = loaded.model.model.embed_tokens
+    assert isinstance(table, QuantizedEmbedding)
+    table_bytes = sum(t.untyped_storage().nbytes() for t in (table.data, table.meta))  # its blocks and layout
+    expected = weight_bytes(loaded.model) - (0 if tied else table_bytes)
+    assert decode_read_bytes(loaded.model) == expected
