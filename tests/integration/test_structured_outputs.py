@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
@@ -166,15 +167,25 @@ def test_bad_constraints_are_value_errors(make_engine: Any) -> None:
     assert not engine.has_unfinished()
 
 
-def test_a_compile_past_the_time_limit_is_refused(make_engine: Any) -> None:
+def test_a_compile_past_the_time_limit_is_refused(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine()
     structured = engine.structured_outputs()
-    structured.compile_timeout_s = 0.0  # every compile is over it
+    release = threading.Event()
+    build = structured._build
+
+    def slow_build(params: StructuredOutputsParams) -> Any:  # a compile that outlasts the budget
+        release.wait(30.0)
+        return build(params)
+
+    monkeypatch.setattr(structured, "_build", slow_build)
+    monkeypatch.setattr(structured, "compile_timeout_s", 0.05)
+    timeouts_before = structured.num_compile_timeouts
     try:
-        with pytest.raises(ValueError, match="over the 0 s limit"):
+        with pytest.raises(ValueError, match="over the 0.05 s limit"):
             engine.add_request(
                 "hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
             )
     finally:
-        structured.compile_timeout_s = 5.0
+        release.set()
+    assert structured.num_compile_timeouts == timeouts_before + 1
     assert not engine.has_unfinished()
