@@ -9,10 +9,14 @@ arithmetic), per model, on texts a package ships:
 3. greedy agreement on 50 chat prompts (``--max-tokens`` tokens each): identical outputs, and the mean number
    of leading tokens that match.
 
+The exact path keeps its KV in fp32; gguf-q8 runs with each ``--kv-cache-dtype`` given (default: auto, fp16), so
+one run also measures what a 16- or 8-bit KV cache costs on top of the arithmetic.
+
 The rule the defaults follow: gguf-q8 may be a model's default where its perplexity rises at most 1% on every
 text and top-1 agreement is at least 97%.
 
     python -m benchmarks.arithmetic_quality --model qwen2.5-coder-0.5b-instruct [--num-tokens 20000]
+        [--kv-cache-dtype auto --kv-cache-dtype int8 --kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -115,35 +119,42 @@ def greedy(engine: Engine, max_tokens: int) -> list[list[int]]:
 
 
 def measure(model: str | None, texts: dict[str, str], args: argparse.Namespace) -> dict[str, object]:
+    """The exact path (fp32 arithmetic and KV) against gguf-q8 with each KV dtype of ``--kv-cache-dtype``."""
     row: dict[str, object] = {"model": model or "embedded"}
-    engines = {
-        q: Engine(model=model, quantization=q, max_model_len=args.window + 64) for q in ("gguf", "gguf-q8")
-    }
-    for q, engine in engines.items():  # the KV cache each runs with by default (auto: fp16 under gguf-q8)
-        row[f"KV cache {q}"] = str(engine.kv_dtype).removeprefix("torch.")
-    for name, text in texts.items():
-        chunks = windows(engines["gguf"], text, args.num_tokens, args.window)
-        (exact_lp, exact_top), (q8_lp, q8_top) = (scored(engines[q], chunks) for q in ("gguf", "gguf-q8"))
-        ppl_exact = math.exp(-statistics.fmean(exact_lp))
-        ppl_q8 = math.exp(-statistics.fmean(q8_lp))
-        row[f"{name}: perplexity exact"] = round(ppl_exact, 4)
-        row[f"{name}: perplexity gguf-q8"] = round(ppl_q8, 4)
-        row[f"{name}: perplexity rise %"] = round(100 * (ppl_q8 / ppl_exact - 1), 3)
-        row[f"{name}: top-1 agreement %"] = round(
-            100 * sum(a == b for a, b in zip(exact_top, q8_top)) / len(exact_top), 2
+    length = args.window + 64
+    exact = Engine(model=model, quantization="gguf", kv_cache_dtype="fp32", max_model_len=length)
+    candidates = {
+        f"gguf-q8 + {kv} KV": Engine(
+            model=model, quantization="gguf-q8", kv_cache_dtype=kv, max_model_len=length
         )
-        row[f"{name}: tokens scored"] = len(exact_top)
-    outs = {q: greedy(engines[q], args.max_tokens) for q in ("gguf", "gguf-q8")}
-    row["greedy identical"] = (
-        f"{sum(a == b for a, b in zip(outs['gguf'], outs['gguf-q8']))}/{len(CHAT_PROMPTS)}"
-    )
-    row["greedy leading tokens (mean)"] = round(
-        statistics.fmean(leading_match(a, b) for a, b in zip(outs["gguf"], outs["gguf-q8"])), 1
-    )
-    rises = [v for k, v in row.items() if k.endswith("rise %")]
-    agreements = [v for k, v in row.items() if k.endswith("agreement %")]
-    holds = all(float(r) <= 1.0 for r in rises) and all(float(a) >= 97.0 for a in agreements)  # type: ignore[arg-type]
-    row["gguf-q8 may be the default"] = holds
+        for kv in args.kv_cache_dtype or ["auto"]
+    }
+    for name, engine in candidates.items():  # what auto resolved to
+        row[f"KV cache of {name}"] = str(engine.kv_dtype).removeprefix("torch.")
+    exact_outs = greedy(exact, args.max_tokens)
+    for text_name, text in texts.items():
+        chunks = windows(exact, text, args.num_tokens, args.window)
+        exact_lp, exact_top = scored(exact, chunks)
+        ppl_exact = math.exp(-statistics.fmean(exact_lp))
+        row[f"{text_name}: perplexity exact"] = round(ppl_exact, 4)
+        row[f"{text_name}: tokens scored"] = len(exact_top)
+        for name, engine in candidates.items():
+            lp, top = scored(engine, chunks)
+            ppl = math.exp(-statistics.fmean(lp))
+            row[f"{text_name}: perplexity {name}"] = round(ppl, 4)
+            row[f"{text_name}: perplexity rise % {name}"] = round(100 * (ppl / ppl_exact - 1), 3)
+            agree = sum(a == b for a, b in zip(exact_top, top)) / len(exact_top)
+            row[f"{text_name}: top-1 agreement % {name}"] = round(100 * agree, 2)
+    for name, engine in candidates.items():
+        outs = greedy(engine, args.max_tokens)
+        same = sum(a == b for a, b in zip(exact_outs, outs))
+        row[f"greedy identical {name}"] = f"{same}/{len(CHAT_PROMPTS)}"
+        leading = statistics.fmean(leading_match(a, b) for a, b in zip(exact_outs, outs))
+        row[f"greedy leading tokens (mean) {name}"] = round(leading, 1)
+        rises = [v for k, v in row.items() if "rise %" in k and k.endswith(name)]
+        agreements = [v for k, v in row.items() if "agreement %" in k and k.endswith(name)]
+        holds = all(float(r) <= 1.0 for r in rises) and all(float(a) >= 97.0 for a in agreements)  # type: ignore[arg-type]
+        row[f"meets the default's rule: {name}"] = holds
     return row
 
 
@@ -156,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced window")
     parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat prompt")
     parser.add_argument("--code", action="store_true", help="also the Python source text (for code models)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        action="append",
+        default=None,
+        help="gguf-q8's KV dtype (repeat to compare several in one run; default: auto, fp16)",
+    )
     parser.add_argument("--json", default=None, help="write the rows to this file too")
     args = parser.parse_args(argv)
     texts = {"prose": prose_text()} | ({"code": code_text()} if args.code else {})

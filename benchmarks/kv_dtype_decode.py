@@ -1,9 +1,11 @@
 """Single-stream decode at depth, per KV cache dtype, side by side in one run.
 
-    python -m benchmarks.kv_dtype_decode [--model NAME] [--depths 1024,8192,16384] [--dtypes float32,float16,bfloat16]
+    python -m benchmarks.kv_dtype_decode [--model NAME] [--depths 1024,8192,16384]
+        [--dtypes float32,float16,bfloat16,float8_e4m3fn,int8]
 
 A decode step at a context of N tokens reads the weights and N tokens of K and V in every layer (the 1.5B: 28
-layers x 2 KV heads x 128 x 2, 57 KB a token in fp32, 29 KB in 16 bits). To time the step at depth without
+layers x 2 KV heads x 128 x 2, 57 KB a token in fp32, 29 KB in 16 bits, 14 KB in fp8, 15 KB in int8 with its
+scales). To time the step at depth without
 computing an N-token prefill per row, the model's KV tensors are filled with random values (their contents do
 not change the work) and the model's own forward runs one token after an N-token context through a shuffled block
 table, as the engine's runner calls it (the C++ decode stack on CPU), ``--steps`` times after a warm-up; the
@@ -25,15 +27,17 @@ from benchmarks.common import cpu_name
 
 
 def step_times(model, depth: int, dtype: torch.dtype, steps: int, block_size: int = 16) -> list[float]:
+    from tokenmill.model import kv_format
     from tokenmill.model.loader import allocate_kv_cache
 
     config = model.config
     num_blocks = -(-(depth + 1) // block_size)
     caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, "cpu")
     gen = torch.Generator().manual_seed(depth)
+    shape = (num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
     for k, v in caches:
-        k.copy_(torch.randn(k.shape, generator=gen))
-        v.copy_(torch.randn(v.shape, generator=gen))
+        k.copy_(kv_format.encode(torch.randn(shape, generator=gen), dtype))
+        v.copy_(kv_format.encode(torch.randn(shape, generator=gen), dtype))
     table = list(range(1, num_blocks + 1))
     random.Random(depth).shuffle(table)
     times = []
@@ -53,15 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--depths", default="1024,8192,16384")
-    parser.add_argument("--dtypes", default="float32,float16,bfloat16")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16,float8_e4m3fn,int8")
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args(argv)
-    from tokenmill.model.loader import load_model
+    from tokenmill.model.loader import kv_bytes_per_block, load_model
     from tokenmill.models import resolve
 
     loaded = load_model(resolve(args.model), device="cpu")
     config = loaded.config
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     print(f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; {args.model}, "
           f"{loaded.describe_arithmetic().split(':')[0]}; median of {args.steps} steps")  # fmt: skip
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for dtype in dtypes:
             step_s = statistics.median(step_times(loaded.model, depth, dtype, args.steps))
-            kv_mb = per_token * depth * dtype.itemsize / 1e6
+            kv_mb = kv_bytes_per_block(config, 1, dtype) * depth / 1e6
             cells.append(f"{1 / step_s:7.2f} tok/s ({kv_mb:6.0f} MB)")
         print(f"{depth:>8} " + " ".join(f"{c:>22}" for c in cells), flush=True)
     return 0

@@ -215,7 +215,8 @@ class EngineConfig:
     kv_cache_disk_bytes: int | None = None
     kv_cache_disk_dir: str | None = None  # None: <cache directory>/kv
     # the KV cache's element type (vLLM's --kv-cache-dtype): "auto" (16 bits where the arithmetic is not the exact
-    # path, the model's dtype otherwise: resolve_kv_cache_dtype), "fp32", "fp16", "bf16" (or their torch names)
+    # path, the model's dtype otherwise: resolve_kv_cache_dtype), "fp32", "fp16", "bf16" (or their torch names),
+    # "fp8" / "fp8_e4m3" (unscaled e4m3), "int8" (codes with a scale per token and head: model/kv_format.py)
     kv_cache_dtype: str = "auto"
     # sampling defaults for fields a request leaves unset: "auto" (the model's generation_config.json, else
     # tokenmill's sampled defaults), "none" (SamplingParams' own), or a directory with a generation_config.json
@@ -252,7 +253,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-                + (" (8-bit KV caches are not implemented yet)" if self.kv_cache_dtype in _KV_8_BIT else "")
+                + (" (fp8_e5m2 is not supported: fp8_e4m3 or int8)" * (self.kv_cache_dtype == "fp8_e5m2"))
             )
         disk = self.kv_cache_disk_bytes
         if disk is not None and (isinstance(disk, bool) or not isinstance(disk, int) or disk < 0):
@@ -283,9 +284,9 @@ class EngineConfig:
 _KV_DTYPE_NAMES = {
     "fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "int8": "int8",
 }  # fmt: skip
 KV_CACHE_DTYPES = ("auto", *_KV_DTYPE_NAMES)
-_KV_8_BIT = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # arithmetics whose activations are rounded anyway (llama.cpp's): their KV in 16 bits, as llama.cpp's default f16
 _ROUNDING_QUANTIZATIONS = ("gguf-q8", "gguf-q4")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokenmill.config import QUANTIZATIONS, SPECULATION_AUTO, EngineConfig
+from tokenmill.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATION_AUTO, EngineConfig
 
 DEFAULT_KV_DISK_BYTES = 8 << 30  # the disk tier's bound when a command builds the engine
 
@@ -76,9 +76,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp32", "fp16", "bf16", "float32", "float16", "bfloat16"],
+        choices=KV_CACHE_DTYPES,
         help="the KV cache's element type: auto (fp16 under llama.cpp's arithmetic, gguf-q8, the default for a "
-        "GGUF on CPU; the model's dtype otherwise: fp32 on the exact path), fp32, fp16, bf16",
+        "GGUF on CPU; the model's dtype otherwise: fp32 on the exact path), fp32, fp16, bf16, fp8 (= fp8_e4m3, "
+        "unscaled), int8 (a scale per token and head)",
     )
     g.add_argument(
         "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"

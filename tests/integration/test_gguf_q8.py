@@ -141,14 +141,19 @@ def test_a_verification_computes_its_tokens_as_decode_steps_do(
             torch.testing.assert_close(got, stepwise, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16"])
-def test_greedy_tokens_do_not_depend_on_the_batch_with_a_16_bit_kv_cache(embedded_q8, kv_cache_dtype) -> None:
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "kv_dtype"),
+    [("auto", torch.float16), ("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)],
+)
+def test_greedy_tokens_do_not_depend_on_the_batch_with_a_16_or_8_bit_kv_cache(
+    embedded_q8, kv_cache_dtype, kv_dtype
+) -> None:
     prompts = [embedded_q8.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     engine = Engine(
         loaded=embedded_q8, device="cpu", block_size=16, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype
     )
-    assert engine.kv_dtype == (torch.float16 if kv_cache_dtype == "auto" else torch.bfloat16)
+    assert engine.kv_dtype == kv_dtype
     together = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone

@@ -59,10 +59,11 @@ def _prompt(loaded) -> list[int]:
     return loaded.tokenizer.encode(text)
 
 
-def test_a_restarted_engine_reads_the_prompt_back(loaded, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_a_restarted_engine_reads_the_prompt_back(loaded, tmp_path: Path, kv_cache_dtype: str) -> None:
     prompt = _prompt(loaded)
     assert len(prompt) > 400
-    cold = _engine(loaded, tmp_path)
+    cold = _engine(loaded, tmp_path, kv_cache_dtype=kv_cache_dtype)
     expected = _run(cold, prompt)
     cold.kv_disk.flush()
     num_blocks = (len(prompt) - 1) // 16
@@ -71,7 +72,7 @@ def test_a_restarted_engine_reads_the_prompt_back(loaded, tmp_path: Path) -> Non
     assert cold.stats.num_disk_hit_tokens == 0
     cold.close()
 
-    warm = _engine(loaded, tmp_path)  # a restart: the memory tier is empty
+    warm = _engine(loaded, tmp_path, kv_cache_dtype=kv_cache_dtype)  # a restart: the memory tier is empty
     assert _run(warm, prompt) == expected
     assert warm.stats.num_disk_hit_tokens == num_blocks * 16
     assert warm.stats.num_prefix_hit_tokens == num_blocks * 16  # counted computed, not computed
@@ -109,6 +110,12 @@ def test_the_kv_dtype_and_the_arithmetic_name_the_folder(loaded, tmp_path: Path)
     other = _engine(loaded, tmp_path, block_size=32)
     assert other.kv_disk.store.folder != folder
     other.close()
+    folders = {folder}
+    for kv_cache_dtype in ("bf16", "int8", "fp8"):
+        other = _engine(loaded, tmp_path, kv_cache_dtype=kv_cache_dtype)
+        folders.add(other.kv_disk.store.folder)
+        other.close()
+    assert len(folders) == 4
 
 
 def test_off_by_default_in_the_library_and_with_zero(loaded, tmp_path: Path) -> None:

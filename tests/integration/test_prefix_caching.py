@@ -24,10 +24,11 @@ def _tokens(outs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_shared_prefix_batch_same_tokens_on_and_off(make_engine: Any) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16", "int8", "fp8"])
+def test_shared_prefix_batch_same_tokens_on_and_off(make_engine: Any, kv_cache_dtype: str) -> None:
     prompts = [PREFIX + [1000 + 7 * i + j for j in range(5 + i)] for i in range(6)]
-    off = make_engine(max_model_len=512, enable_prefix_caching=False)
-    on = make_engine(max_model_len=512)
+    off = make_engine(max_model_len=512, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    on = make_engine(max_model_len=512, kv_cache_dtype=kv_cache_dtype)
     want = _tokens(off.generate(prompts[:1], greedy(6)) + off.generate(prompts[1:], greedy(6)))
     got = _tokens(on.generate(prompts[:1], greedy(6)) + on.generate(prompts[1:], greedy(6)))
     assert got == want
@@ -56,11 +57,13 @@ def test_multi_turn_chat_same_tokens_and_later_turns_hit(make_engine: Any) -> No
     assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]  # each turn reuses the previous ones
 
 
-def test_preempted_and_resumed_same_tokens_on_and_off(make_engine: Any) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_preempted_and_resumed_same_tokens_on_and_off(make_engine: Any, kv_cache_dtype: str) -> None:
     prompts = [PREFIX[:40] + [300 + 3 * i + j for j in range(4 + 3 * i)] for i in range(8)]
     params = [greedy(8 + 3 * i) for i in range(8)]
-    want = _tokens(make_engine(num_kv_blocks=256, enable_prefix_caching=False).generate(prompts, params))
-    tight = make_engine(block_size=8, num_kv_blocks=16, max_num_seqs=6)
+    roomy = make_engine(num_kv_blocks=256, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    want = _tokens(roomy.generate(prompts, params))
+    tight = make_engine(block_size=8, num_kv_blocks=16, max_num_seqs=6, kv_cache_dtype=kv_cache_dtype)
     got = _tokens(tight.generate(prompts, params))
     assert tight.stats.num_preemptions > 0
     assert tight.stats.num_prefix_hit_tokens > 0

@@ -64,16 +64,21 @@ def test_tp2_with_ngram_speculation_equals_tp1() -> None:
         two.close()
 
 
-def test_tp2_on_a_16_bit_kv_cache_equals_tp1() -> None:
-    """Every rank keeps its heads' K and V in the engine's KV dtype; the same greedy tokens as one process."""
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "kv_dtype"),
+    [("bf16", "torch.bfloat16"), ("int8", "torch.int8"), ("fp8", "torch.float8_e4m3fn")],
+)
+def test_tp2_on_a_16_or_8_bit_kv_cache_equals_tp1(kv_cache_dtype: str, kv_dtype: str) -> None:
+    """Every rank keeps its heads' K and V in the engine's KV dtype (int8: each head's row with its own scale, so
+    a split of the heads changes no byte); the same greedy tokens as one process."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    base = dict(device="cpu", quantization="fp32", num_kv_blocks=64, kv_cache_dtype="bf16")
+    base = dict(device="cpu", quantization="fp32", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
     one = Engine(EngineConfig(**base))
-    assert str(one.kv_dtype) == "torch.bfloat16"
+    assert str(one.kv_dtype) == kv_dtype
     expected = _run(one, PROMPTS, params)
     two = Engine(EngineConfig(**base, tensor_parallel_size=2))
     try:
-        assert str(two.runner.kv_caches[0][0].dtype) == "torch.bfloat16"
+        assert str(two.runner.kv_caches[0][0].dtype) == kv_dtype
         assert list(_run(two, PROMPTS, params).values()) == list(expected.values())
     finally:
         two.close()

@@ -75,6 +75,9 @@ def test_kv_cache_dtype_resolution_and_refusals() -> None:
     assert resolve_kv_cache_dtype("auto", None, "bfloat16") == "bfloat16"  # a GPU's model dtype
     assert resolve_kv_cache_dtype("bf16", "gguf", "float32") == "bfloat16"
     assert resolve_kv_cache_dtype("fp32", "gguf-q8", "float32") == "float32"
-    for bad, words in (("fp8_e4m3", "8-bit"), ("int8", "8-bit"), ("float64", "kv_cache_dtype")):
+    assert resolve_kv_cache_dtype("fp8", "gguf-q8", "float32") == "float8_e4m3fn"  # vLLM's fp8: e4m3
+    assert resolve_kv_cache_dtype("fp8_e4m3", "gguf", "float32") == "float8_e4m3fn"
+    assert resolve_kv_cache_dtype("int8", "gguf-q8", "float32") == "int8"
+    for bad, words in (("fp8_e5m2", "fp8_e4m3 or int8"), ("float64", "kv_cache_dtype")):
         with pytest.raises(ValueError, match=words):
             EngineConfig(kv_cache_dtype=bad)

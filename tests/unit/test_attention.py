@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import attention, backend
+from tokenmill.model import attention, backend, kv_format
 from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
 from tokenmill.model.backend import TorchBackend
 from tokenmill.model.cpu import backend as cpu_backend
 from tokenmill.model.cpu.backend import CpuKernelBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]
 SCALE = HEAD_DIM**-0.5
 
 
@@ -27,9 +28,10 @@ def _random_step(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     planner: TorchBackend | None = None,
+    kv_dtype: torch.dtype | None = None,
 ):
-    """Caches holding random prefixes, random new q/k/v, and metadata over shuffled block tables, planned by
-    ``planner`` (default: plain torch on ``device``)."""
+    """Caches (in ``kv_dtype``, default ``dtype``) holding random prefixes, random new q/k/v, and metadata over
+    shuffled block tables, planned by ``planner`` (default: plain torch on ``device``)."""
     seq_lens = [q + p for q, p in zip(query_lens, prefix_lens)]
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -37,8 +39,13 @@ def _random_step(
     for seq_len in seq_lens:
         num_needed = -(-seq_len // block_size) + rng.randint(0, 2)  # sometimes allocated ahead
         tables.append([free.pop() for _ in range(num_needed)])
-    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
-    v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device, dtype)
+    kv_dtype = kv_dtype or dtype
+    k_cache = kv_format.encode(
+        torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device), kv_dtype
+    )
+    v_cache = kv_format.encode(
+        torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(device), kv_dtype
+    )
     meta = (planner or TorchBackend(device)).plan(query_lens, seq_lens, tables, block_size)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(device, dtype)
@@ -92,6 +99,15 @@ def test_cpp_decode_kernel_without_the_tiled_prefill_matches_reference(kernel_va
     _check_random_mix(seed, "cpu", torch.float32, atol=1e-5, planner=planner)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES[1:])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_path_reads_16_and_8_bit_caches_as_the_reference(kernel_variant, kv_dtype, seed: int) -> None:
+    """Random mixes of decode rows and prefills over a 16- or 8-bit cache, written by write_kv: plain torch, the
+    C++ kernels and the C++ decode rows without the tiled prefill all attend the values the reference decodes."""
+    for planner in (None, CpuKernelBackend(HEAD_DIM), CpuKernelBackend(HEAD_DIM, tiled_prefill=False)):
+        _check_random_mix(seed, "cpu", torch.float32, atol=1e-5, planner=planner, kv_dtype=kv_dtype)
+
+
 def test_cpp_decode_kernel_on_a_wide_batch(kernel_variant) -> None:
     rng = random.Random(11)
     lens = [rng.randint(0, 400) for _ in range(64)]
@@ -115,28 +131,34 @@ def test_cpp_decode_kernel_on_a_wide_batch(kernel_variant) -> None:
         (4, 2, 80, 16),  # a head size without a register kernel: the generic loop
     ],
 )
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_cpp_decode_kernel_head_shapes(
     kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
 ) -> None:
     """The kernel's head-size specialisations against a direct softmax(q k^T) v over each row's gathered cache, in
-    float64 over the values the cache holds (a 16-bit cache's elements are read exactly)."""
+    float64 over the values the cache holds (a 16- or 8-bit cache's elements are read exactly, int8 codes times
+    their row's scale)."""
     kernel = kernel_variant.paged_decode
     gen = torch.Generator().manual_seed(head_dim + block_size)
     lens = [1, 2, 3, 4, 5, 17, 31, 64, 129, 300]
     max_blocks = -(-max(lens) // block_size)
     num_blocks = len(lens) * max_blocks + 3
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    k_cache = kv_format.encode(
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), kv_dtype
+    )
+    v_cache = kv_format.encode(
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), kv_dtype
+    )
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen) * 2  # sharper softmax than unit scale
     scale = head_dim**-0.5
     out = kernel(q, k_cache, v_cache, tables, torch.tensor(lens), scale)
     assert out.dtype == torch.float32
     group = num_heads // num_kv_heads
+    k_values, v_values = kv_format.decode(k_cache, torch.float64), kv_format.decode(v_cache, torch.float64)
     for b, seq_len in enumerate(lens):
-        k = k_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
-        v = v_cache[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        k = k_values[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        v = v_values[tables[b]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
         probs = (torch.einsum("hd,thd->ht", q[b].double(), k.double()) * scale).softmax(dim=-1)  # [Hq, S]
         expected = torch.einsum("ht,thd->hd", probs, v.double()).float()  # [Hq, D]
         torch.testing.assert_close(out[b], expected, atol=2e-5, rtol=1e-5)
@@ -154,7 +176,7 @@ def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (10, 2, 64, 5), (8, 2, 128, 16), (6, 6, 128, 7), (4, 1, 96, 16)],
 )
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
     kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
 ) -> None:
@@ -182,8 +204,12 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
     max_blocks = -(-max(q + p for q, p in seqs) // block_size)
     num_blocks = len(seqs) * max_blocks + 3
     tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * max_blocks].view(len(seqs), max_blocks)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    k_cache = kv_format.encode(
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), kv_dtype
+    )
+    v_cache = kv_format.encode(
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), kv_dtype
+    )
     num_tokens = sum(q for q, _ in seqs) + 5  # 5 rows belong to nobody here
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2  # sharper softmax than unit scale
     rows, start = [], 5
@@ -195,10 +221,11 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
     kernel(out, q, k_cache, v_cache, tables, torch.tensor(rows), scale)
     assert (out[:5] == 7.0).all()
     group = num_heads // num_kv_heads
+    k_values, v_values = kv_format.decode(k_cache, torch.float64), kv_format.decode(v_cache, torch.float64)
     for (start, query_len, prefix, i), _ in zip(rows, seqs):
         seq_len = prefix + query_len
-        k = k_cache[tables[i]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
-        v = v_cache[tables[i]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        k = k_values[tables[i]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
+        v = v_values[tables[i]].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,shd->hts", q[start : start + query_len].double(), k.double()) * scale
         visible = torch.arange(seq_len)[None, :] <= torch.arange(prefix, seq_len)[:, None]  # [Tq, S]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [Hq, Tq, S]
@@ -207,7 +234,12 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
 
 
 def _check_random_mix(
-    seed: int, device: str, dtype: torch.dtype, atol: float, planner: TorchBackend | None = None
+    seed: int,
+    device: str,
+    dtype: torch.dtype,
+    atol: float,
+    planner: TorchBackend | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     """A random batch of decode rows, fresh prefills and prefills after a cached prefix."""
     rng = random.Random(seed)
@@ -228,7 +260,7 @@ def _check_random_mix(
             prefix_lens.append(rng.randint(1, 60))
     num_blocks = sum(-(-(q + p) // block_size) + 2 for q, p in zip(query_lens, prefix_lens)) + 3
     q, k_cache, v_cache, meta = _random_step(
-        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype, planner
+        rng, query_lens, prefix_lens, block_size, num_blocks, device, dtype, planner, kv_dtype
     )
     expected = paged_attention_reference(q, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import random_model, tiny_config
 
+from tokenmill.model import kv_format
 from tokenmill.model.attention import write_kv
 from tokenmill.model.backend import TorchBackend
 from tokenmill.model.cpu import kernels as cpu_kernels
@@ -125,14 +126,20 @@ def test_silu_mul_matches_torch_over_a_wide_range(ops) -> None:
     torch.testing.assert_close(out[0], F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
-def test_rope_write_kv_matches_torch(ops) -> None:
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]
+)
+def test_rope_write_kv_matches_torch(ops, kv_dtype: torch.dtype) -> None:
+    """Rotated q and k, and k and v stored in the cache's format, against torch's apply_rope and write_kv: V (not
+    rotated) in the same bytes, K to one step of the format where the rotation's last fp32 bit moved a rounding."""
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, head_dim, num_tokens = 9, 3, 64, 11
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 50
     cos, sin = angles.cos(), angles.sin()
     slots = torch.randperm(40, generator=gen)[:num_tokens]
-    caches = [torch.zeros(5, 8, num_kv_heads, head_dim) for _ in range(4)]
+    row = kv_format.row_width(head_dim, kv_dtype)
+    caches = [torch.zeros(5, 8, num_kv_heads, row, dtype=kv_dtype) for _ in range(4)]
     q = ops.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, num_heads, num_kv_heads)
     q_ref, k_ref, v_ref = qkv.split(
         [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
@@ -141,8 +148,18 @@ def test_rope_write_kv_matches_torch(ops) -> None:
     k_ref = apply_rope(k_ref.view(num_tokens, num_kv_heads, head_dim), cos[:, None], sin[:, None])
     write_kv(caches[2], caches[3], k_ref, v_ref.view(num_tokens, num_kv_heads, head_dim), slots)
     torch.testing.assert_close(q, q_ref)
-    torch.testing.assert_close(caches[0], caches[2])
-    torch.testing.assert_close(caches[1], caches[3])
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    k_got, k_want = kv_format.decode(caches[0]).double(), kv_format.decode(caches[2]).double()
+    if kv_dtype == torch.float32:
+        torch.testing.assert_close(k_got, k_want)
+    else:
+        step = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float8_e4m3fn: 2.0**-3}
+        if kv_dtype == torch.int8:
+            bound = k_want.abs().amax(dim=-1, keepdim=True) / 127 * 1.01 + 1e-6
+        else:
+            bound = (k_want.abs() * step[kv_dtype]).clamp_min(2.0**-9) * 1.01
+        assert ((k_got - k_want).abs() <= bound).all()
+        assert (caches[0].view(torch.uint8) == caches[2].view(torch.uint8)).float().mean() > 0.98
 
 
 # --- the whole decode stack against the eager forward ------------------------------------------------
@@ -170,7 +187,10 @@ def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int, kv_dtype: to
     gen = torch.Generator().manual_seed(seed)
     shape = (num_rows * 8, block_size, config.num_key_value_heads, config.head_dim)
     caches = [
-        (torch.randn(shape, generator=gen).to(kv_dtype), torch.randn(shape, generator=gen).to(kv_dtype))
+        (
+            kv_format.encode(torch.randn(shape, generator=gen), kv_dtype),
+            kv_format.encode(torch.randn(shape, generator=gen), kv_dtype),
+        )
         for _ in model.model.layers
     ]
     meta = model.plan_attention([1] * num_rows, lens, tables, block_size)
@@ -249,6 +269,32 @@ def test_decode_stack_on_a_16_bit_kv_cache(kernel_variant, monkeypatch: pytest.M
         for a, b in ((k1, k2), (v1, v2)):
             diff = (a.float() - b.float()).abs()
             assert (diff <= ulp * b.float().abs().clamp_min(1e-3) * 1.01).all()
+            assert (a == b).float().mean() > 0.99  # nearly all bit for bit
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_decode_stack_on_an_8_bit_kv_cache(kernel_variant, monkeypatch: pytest.MonkeyPatch, kv_dtype) -> None:
+    """As the 16-bit test: the decode stack's new K and V encoded as torch's write_kv encodes them (fp8: torch's
+    saturating cast; int8: codes and a scale per token and head), to one step of the format where fp32's summation
+    order moved a value across a rounding boundary, and attention over the stored values alike."""
+    model = _tiny_model(seed=2)
+    backend = CpuKernelBackend(model.config.head_dim)
+    backend.prepare(model)
+    if kernel_variant.isa() == "base":
+        return
+    stacked, stacked_caches = _decode_step(model, 4, seed=2, kv_dtype=kv_dtype)
+    reference = _torch_reference(model, monkeypatch)
+    plain, plain_caches = _decode_step(reference, 4, seed=2, kv_dtype=kv_dtype)
+    torch.testing.assert_close(stacked, plain, rtol=2e-3, atol=2e-3)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, plain_caches):
+        assert k1.dtype == kv_dtype and k1.shape[-1] == kv_format.row_width(model.config.head_dim, kv_dtype)
+        for a, b in ((k1, k2), (v1, v2)):
+            values = kv_format.decode(b).double()
+            if kv_dtype == torch.int8:  # one code: the row's scale (its magnitude / 127)
+                step = values.abs().amax(dim=-1, keepdim=True) / 127
+            else:  # e4m3: 3 mantissa bits, subnormals 2^-9 apart
+                step = (values.abs() * 2.0**-3).clamp_min(2.0**-9)
+            assert ((kv_format.decode(a).double() - values).abs() <= step * 1.01 + 1e-7).all()
             assert (a == b).float().mean() > 0.99  # nearly all bit for bit
 
 

@@ -1,7 +1,8 @@
 """Paged attention over a block-structured KV cache: the step's metadata, the cache writes, and the paths every
 backend shares.
 
-The cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``; a sequence's
+The cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, row]`` (a row is ``head_dim``
+values, or int8 codes and their scale: ``kv_format.py``); a sequence's
 keys live in the blocks its block table lists, token ``t`` at block ``table[t // block_size]``, offset
 ``t % block_size``. A step's tokens come as one flat batch; :class:`AttentionMetadata` says which rows
 belong to which sequence, and carries the attention plan of the model's compute backend (``backend.py``),
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.model import kv_format
 
 _MAX_DECODE_BUCKETS = 4
 _ROWS_PER_DECODE_BUCKET = 16  # no more buckets than one per this many decode rows
@@ -174,19 +177,22 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at their flat cache slots."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, row = k_cache.shape
     num_slots = num_blocks * block_size
     # view (not reshape): a non-contiguous cache must fail loudly, not be written into a copy
-    # in the cache's dtype (a 16-bit cache: rounded to nearest even, as the C++ decode stack rounds)
-    k_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # in the cache's format (rounded to nearest even, int8 with a scale per row, as the C++ decode stack writes)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = kv_format.as_storage(kv_format.encode(x, cache.dtype))
+        kv_format.as_storage(cache.view(num_slots, num_kv_heads, row)).index_copy_(0, slot_mapping, rows)
 
 
-def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """A sequence's first ``seq_len`` cached tokens, ``[seq_len, num_kv_heads, head_dim]``."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    flat = cache.view(num_blocks, block_size * num_kv_heads * head_dim).index_select(0, block_ids)
-    return flat.view(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
+def gather_context(
+    cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A sequence's first ``seq_len`` cached tokens, ``[seq_len, num_kv_heads, head_dim]`` in ``dtype``."""
+    num_blocks, block_size, num_kv_heads, row = cache.shape
+    flat = cache.view(num_blocks, block_size * num_kv_heads * row).index_select(0, block_ids)
+    return kv_format.decode(flat.view(-1, num_kv_heads, row)[:seq_len], dtype)  # [seq_len, Hkv, D]
 
 
 def paged_attention_windowed(
@@ -204,8 +210,8 @@ def paged_attention_windowed(
         first_block = first_key // bs
         blocks = meta.block_tables[i, first_block : num_blocks_for(seq_len, bs)]
         base = first_block * bs  # position of the first gathered key
-        k = gather_context(k_cache, blocks, seq_len - base).to(q.dtype)  # [S, Hkv, D]
-        v = gather_context(v_cache, blocks, seq_len - base).to(q.dtype)
+        k = gather_context(k_cache, blocks, seq_len - base, q.dtype)  # [S, Hkv, D]
+        v = gather_context(v_cache, blocks, seq_len - base, q.dtype)
         query_pos = torch.arange(first_query, seq_len, device=q.device)[:, None]
         key_pos = torch.arange(base, seq_len, device=q.device)[None, :]
         visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [Tq, S]
@@ -237,10 +243,11 @@ def paged_attention_reference(
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_blocks = num_blocks_for(seq_len, meta.block_size)
         blocks = meta.block_tables[i, :num_blocks]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]  # [S, Hkv, D]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]  # [S, Hkv, D]
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1).float()  # [S, Hq, D]
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1).float()  # [S, Hq, D]
+        row = k_cache.shape[3]
+        k = kv_format.decode(k_cache[blocks].reshape(-1, num_kv_heads, row)[:seq_len])  # [S, Hkv, D]
+        v = kv_format.decode(v_cache[blocks].reshape(-1, num_kv_heads, row)[:seq_len])  # [S, Hkv, D]
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, Hq, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, Hq, D]
         scores = torch.einsum("thd,shd->hts", q[start:end].float(), k) * scale  # [Hq, Tq, S]
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)

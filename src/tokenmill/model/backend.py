@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model import kv_format
 from tokenmill.model.attention import (
     AttentionMetadata,
     DecodeBucket,
@@ -76,8 +77,8 @@ def attend_prefills(
     prefill = _prefill_sdpa if use_sdpa else _prefill_chunked
     k_cache, v_cache = kv_cache
     for seq in prefills:
-        k = gather_context(k_cache, seq.block_ids, seq.seq_len).to(q.dtype)  # [S, Hkv, D]
-        v = gather_context(v_cache, seq.block_ids, seq.seq_len).to(q.dtype)  # [S, Hkv, D]
+        k = gather_context(k_cache, seq.block_ids, seq.seq_len, q.dtype)  # [S, Hkv, D]
+        v = gather_context(v_cache, seq.block_ids, seq.seq_len, q.dtype)  # [S, Hkv, D]
         out[seq.start : seq.end] = prefill(q[seq.start : seq.end], k, v, seq, scale)
 
 
@@ -150,15 +151,17 @@ def select_backend(
 def _decode_bucket(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket, scale: float
 ) -> torch.Tensor:
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, row = k_cache.shape
+    head_dim = q.shape[2]
     num_rows = bucket.token_rows.shape[0]
     max_len = bucket.max_num_blocks * block_size
     group = q.shape[1] // num_kv_heads
-    flat_shape = (num_blocks, block_size * num_kv_heads * head_dim)
-    k = k_cache.view(flat_shape).index_select(0, bucket.block_ids)  # [n * max_blocks, bs * Hkv * D]
+    flat_shape = (num_blocks, block_size * num_kv_heads * row)
+    k = k_cache.view(flat_shape).index_select(0, bucket.block_ids)  # [n * max_blocks, bs * Hkv * row]
     v = v_cache.view(flat_shape).index_select(0, bucket.block_ids)
-    k = k.view(num_rows, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
-    v = v.view(num_rows, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
+    k = kv_format.decode(k.view(num_rows, max_len, num_kv_heads, row), q.dtype)  # [n, L, Hkv, D]
+    v = kv_format.decode(v.view(num_rows, max_len, num_kv_heads, row), q.dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [n, Hkv, L, D]
     # query heads h*group .. h*group+group-1 share KV head h: they become the "query length"
     q_rows = q.index_select(0, bucket.token_rows).view(
         num_rows, num_kv_heads, group, head_dim

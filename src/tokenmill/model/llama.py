@@ -205,7 +205,9 @@ class LlamaAttention(nn.Module):
                 q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, q_size)  # per head
                 k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, kv_size)
                 qkv = torch.cat([q, k, v], dim=-1)
-        if ops is not None and k_cache.dtype == torch.float32:  # one pass: rotate q/k, store k/v
+        if (
+            ops is not None
+        ):  # one pass: rotate q/k, store k/v in the cache's format (as the decode stack does)
             cos2d, sin2d = cos.view(num_tokens, -1), sin.view(num_tokens, -1)  # [T, R/2]
             q = ops.rope_write_kv(
                 qkv, cos2d, sin2d, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads

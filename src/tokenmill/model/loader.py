@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.config import QUANTIZATIONS
+from tokenmill.model import kv_format
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.embedded import embedded_model_path
 from tokenmill.model.llama import LlamaForCausalLM
@@ -259,8 +260,9 @@ def _why_not_blocks(gguf_file: Any, device: torch.device, dtype: torch.dtype) ->
 def allocate_kv_cache(
     config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_dim]`` zeros."""
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, row]`` zeros (``row``: ``head_dim``, or
+    int8's codes and scale, ``kv_format.row_width``)."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, kv_format.row_width(config.head_dim, dtype))
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_hidden_layers)
@@ -269,11 +271,5 @@ def allocate_kv_cache(
 
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V."""
-    return (
-        2
-        * config.num_hidden_layers
-        * block_size
-        * config.num_key_value_heads
-        * config.head_dim
-        * dtype.itemsize
-    )
+    row = kv_format.row_width(config.head_dim, dtype)
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * row * dtype.itemsize

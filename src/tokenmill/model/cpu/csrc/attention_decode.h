@@ -1,7 +1,8 @@
 // Paged attention for decode rows on CPU: each row's single query attends over its own blocks, read in place from
-// the paged cache. No gather, no padding. Cache layout per layer: [num_blocks, block_size, Hkv, D], its elements
-// fp32, fp16 or bf16 (simd::KvType: converted to fp32 as they are loaded, the arithmetic fp32 throughout);
-// query heads h*G .. h*G+G-1 share KV head h.
+// the paged cache. No gather, no padding. Cache layout per layer: [num_blocks, block_size, Hkv, row], its elements
+// fp32, fp16, bf16 or fp8 e4m3 (row = D), or int8 codes with their fp32 scale after them (row = D + 4 bytes)
+// (simd::KvType: converted to fp32 as they are loaded, the arithmetic fp32 throughout; an int8 key's scale
+// multiplies its score, a value's scale its softmax weight); query heads h*G .. h*G+G-1 share KV head h.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -40,8 +41,9 @@ struct PagedCache {
   const Elem* k;
   const Elem* v;
   int64_t block_size, num_kv_heads, head_dim;
-  int64_t token_stride() const { return num_kv_heads * head_dim; }
-  int64_t block_stride() const { return block_size * num_kv_heads * head_dim; }
+  int64_t row = head_dim + simd::kKvRowExtra<K>;  // elements from one (token, KV head) row to the next
+  int64_t token_stride() const { return num_kv_heads * row; }
+  int64_t block_stride() const { return block_size * num_kv_heads * row; }
 };
 
 
@@ -106,7 +108,7 @@ struct Prefetcher {
       const int64_t len = seq_lens[b];
       if (block * BS < len) {
         const int64_t table = table_index != nullptr ? table_index[b] : b;
-        const int64_t off = block_tables[table * max_blocks + block] * c.block_stride() + h * D;
+        const int64_t off = block_tables[table * max_blocks + block] * c.block_stride() + h * c.row;
         const int64_t n = std::min(BS, len - block * BS);
         for (int64_t i = 0; i < n; ++i)
           for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(typename Cache::Elem))) {  // a 64-byte line each
@@ -135,11 +137,17 @@ inline const float* as_float_row(const simd::KvElem<K>* p, int64_t n, float* scr
   }
 }
 
-// Calls fn(cache) with the paged cache of k_cache and v_cache in their element type (fp32, fp16 or bf16).
+// The head size of a KV cache [num_blocks, block_size, Hkv, row]: row, less int8's trailing scale.
+inline int64_t kv_head_dim(const torch::Tensor& cache) {
+  return cache.size(3) - (cache.scalar_type() == torch::kChar ? simd::kKvRowExtra<simd::KvType::kI8> : 0);
+}
+
+// Calls fn(cache) with the paged cache of k_cache and v_cache in their element type.
 template <class Fn>
 inline void with_paged_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, Fn&& fn) {
   using simd::KvType;
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), D = k_cache.size(3);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), D = kv_head_dim(k_cache);
+  TORCH_CHECK(D > 0, "KV caches: an int8 row is D codes and a 4-byte scale");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
   switch (k_cache.scalar_type()) {
     case torch::kFloat32:
@@ -153,8 +161,16 @@ inline void with_paged_cache(const torch::Tensor& k_cache, const torch::Tensor& 
       fn(PagedCache<KvType::kBF16>{reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), BS, Hkv, D});
       break;
+    case torch::kFloat8_e4m3fn:
+      fn(PagedCache<KvType::kF8E4M3>{reinterpret_cast<const uint8_t*>(k_cache.data_ptr<at::Float8_e4m3fn>()),
+                                     reinterpret_cast<const uint8_t*>(v_cache.data_ptr<at::Float8_e4m3fn>()), BS, Hkv,
+                                     D});
+      break;
+    case torch::kChar:
+      fn(PagedCache<KvType::kI8>{k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), BS, Hkv, D});
+      break;
     default:
-      TORCH_CHECK(false, "KV caches: fp32, fp16 or bf16, not ", k_cache.scalar_type());
+      TORCH_CHECK(false, "KV caches: fp32, fp16, bf16, fp8 e4m3 or int8, not ", k_cache.scalar_type());
   }
 }
 
@@ -172,7 +188,7 @@ inline void attend_group_fixed(const float* q, const Cache& c, const int64_t* bl
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) qv[g][v] = mul(load(q + g * D + kLanes * v), set1(scale));
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const auto* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* kb = c.k + block_table[t0 / BS] * bs + kv_head * c.row;
     const int64_t n = std::min(BS, seq_len - t0);
     pf.step();
     int64_t i = 0;
@@ -193,6 +209,11 @@ inline void attend_group_fixed(const float* q, const Cache& c, const int64_t* bl
         for (int v = 0; v < NV; ++v) acc = fmadd(qv[g][v], load_kv<K>(kb + i * ts + kLanes * v), acc);
         scores[g * seq_len + t0 + i] = reduce_add(acc);
       }
+    if constexpr (K == simd::KvType::kI8)  // each key's codes times its scale
+      for (int64_t j = 0; j < n; ++j) {
+        const float ks = kv_scale<K>(kb + j * ts, D);
+        for (int g = 0; g < GC; ++g) scores[g * seq_len + t0 + j] *= ks;
+      }
   }
   float inv[GC];
   for (int g = 0; g < GC; ++g) {
@@ -204,13 +225,13 @@ inline void attend_group_fixed(const float* q, const Cache& c, const int64_t* bl
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) o[g][v] = zero();
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const auto* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* vb = c.v + block_table[t0 / BS] * bs + kv_head * c.row;
     const int64_t n = std::min(BS, seq_len - t0);
     for (int64_t i = 0; i < n; ++i) {
       Vec vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load_kv<K>(vb + i * ts + kLanes * v);
       for (int g = 0; g < GC; ++g) {
-        const Vec p = set1(scores[g * seq_len + t0 + i]);
+        const Vec p = set1(scores[g * seq_len + t0 + i] * kv_scale<K>(vb + i * ts, D));
         for (int v = 0; v < NV; ++v) o[g][v] = fmadd(p, vv[v], o[g][v]);
       }
     }
@@ -260,12 +281,12 @@ inline void attend_group(const float* q, int64_t G, const Cache& c, const int64_
     return;
   }
   const int64_t ts = c.token_stride(), bs = c.block_stride(), BS = c.block_size;
-  std::vector<float> row(K == simd::KvType::kF32 ? 0 : D);  // a 16-bit key or value row as fp32
+  std::vector<float> row(K == simd::KvType::kF32 ? 0 : D);  // a key or value row of another dtype as fp32
 
   float max_score[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const auto* kb = c.k + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* kb = c.k + block_table[t0 / BS] * bs + kv_head * c.row;
     const int64_t n = std::min(BS, seq_len - t0);
     pf.step();
     for (int64_t i = 0; i < n; ++i) {
@@ -281,7 +302,7 @@ inline void attend_group(const float* q, int64_t G, const Cache& c, const int64_
   for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / exp_sum(scores + g * seq_len, seq_len, max_score[g]);
   std::fill(out, out + G * D, 0.f);
   for (int64_t t0 = 0; t0 < seq_len; t0 += BS) {
-    const auto* vb = c.v + block_table[t0 / BS] * bs + kv_head * D;
+    const auto* vb = c.v + block_table[t0 / BS] * bs + kv_head * c.row;
     const int64_t n = std::min(BS, seq_len - t0);
     for (int64_t i = 0; i < n; ++i) {
       const float* v = as_float_row<K>(vb + i * ts, D, row.data());
@@ -317,7 +338,7 @@ inline void attend_rows(const float* q, const Cache& c, const int64_t* block_tab
 
 }  // namespace
 
-// q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [num_tables, max_blocks] int64;
+// q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, row] (row: D, or D + 4 for int8); block_tables [num_tables, max_blocks] int64;
 // seq_lens [B] int64; table_index [B] int64 (optional: which table row b reads; default b) -> out [B, Hq, D].
 // A prefill token is a row too: its query over its own causal prefix (seq_len = position + 1).
 inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -327,7 +348,7 @@ inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch:
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 indices");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(Hq % k_cache.size(2) == 0 && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(), "head shapes");
+  TORCH_CHECK(Hq % k_cache.size(2) == 0 && kv_head_dim(k_cache) == D && v_cache.sizes() == k_cache.sizes(), "head shapes");
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
   TORCH_CHECK(bt.dim() == 2 && sl.numel() == B, "block_tables [num_tables, max_blocks], seq_lens [B]");

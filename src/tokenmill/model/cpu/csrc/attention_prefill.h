@@ -1,5 +1,5 @@
-// Causal attention for the prompt tokens of a prefill step on CPU, over the paged cache (fp32, fp16 or bf16 elements,
-// converted to fp32 as they are copied out; the arithmetic fp32).
+// Causal attention for the prompt tokens of a prefill step on CPU, over the paged cache (any simd::KvType, converted
+// to fp32 as it is copied out, an int8 row times its scale; the arithmetic fp32).
 //
 // The one-query-per-row kernel (attention_decode.h) loads every key and value once per query token. Here a tile
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
@@ -61,12 +61,14 @@ inline void prefill_tile(const float* q, float* out, const Cache& c, const int64
   for (int64_t t0 = s.num_keys; t0 < num_keys;) {
     const int64_t n = std::min(BS - t0 % BS, num_keys - t0), offset = block_table[t0 / BS] * bs + (t0 % BS) * ts;
     constexpr simd::KvType K = Cache::kType;
-    const auto* kb = c.k + offset + h * D;
+    const auto* kb = c.k + offset + h * c.row;
+    float key_scale[kPrefillKeyBlock];  // n <= block_size <= kPrefillKeyBlock (checked at the entry)
+    for (int64_t i = 0; i < n; ++i) key_scale[i] = simd::kv_scale<K>(kb + i * ts, D);
     for (int64_t d = 0; d < D; ++d) {
       float* dst = s.kt.data() + d * ld + t0;
-      for (int64_t i = 0; i < n; ++i) dst[i] = simd::kv_to_float<K>(kb[i * ts + d]);
+      for (int64_t i = 0; i < n; ++i) dst[i] = simd::kv_to_float<K>(kb[i * ts + d]) * key_scale[i];
     }
-    const auto* vb = c.v + offset + h * D;
+    const auto* vb = c.v + offset + h * c.row;
     for (int64_t i = 0; i < n; ++i) simd::kv_row_to_float<K>(vb + i * ts, D, s.v.data() + (t0 + i) * D);
     t0 += n;
   }
@@ -137,7 +139,7 @@ inline void prefill_tile(const float* q, float* out, const Cache& c, const int64
 
 inline bool paged_prefill_supported(int64_t head_dim) { return head_dim > 0 && head_dim % kPanel == 0; }
 
-// out/q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [num_tables, max_blocks] int64;
+// out/q [T, Hq, D]; caches [num_blocks, block_size, Hkv, row] (row: D, or D + 4 for int8); block_tables [num_tables, max_blocks] int64;
 // seqs [n, 4] int64: (first flat row, number of query tokens, position of the first one, block table row).
 // Writes the rows of those sequences into out; other rows are left as they are.
 inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -148,7 +150,8 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q/out [T, Hq, D], caches [num_blocks, block_size, Hkv, D]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), BS = k_cache.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D && paged_prefill_supported(D), "head shapes");
+  TORCH_CHECK(Hq % Hkv == 0 && kv_head_dim(k_cache) == D && paged_prefill_supported(D) &&
+                  BS <= kPrefillKeyBlock, "head shapes, block_size");
   auto bt = block_tables.contiguous();
   auto sq = seqs.contiguous();
   TORCH_CHECK(bt.dtype() == torch::kInt64 && bt.dim() == 2 && sq.dtype() == torch::kInt64 && sq.dim() == 2 &&

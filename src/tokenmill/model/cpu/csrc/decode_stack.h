@@ -164,8 +164,8 @@ class DecodeStack {
       const torch::Tensor& vc = v_caches[l];
       TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == k_caches[0].scalar_type() &&
                       vc.scalar_type() == kc.scalar_type() && kc.dim() == 4 && kc.size(0) == num_blocks &&
-                      kc.size(1) == block_size && kc.size(2) == Hkv && kc.size(3) == D && vc.sizes() == kc.sizes(),
-                  "KV caches: contiguous [num_blocks, block_size, Hkv, D] of one dtype, the same for every layer");
+                      kc.size(1) == block_size && kc.size(2) == Hkv && kv_head_dim(kc) == D && vc.sizes() == kc.sizes(),
+                  "KV caches: contiguous [num_blocks, block_size, Hkv, row] of one dtype, the same for every layer");
       const int64_t num_slots = kc.size(0) * kc.size(1);
 
       for (int64_t m = 0; m < M; ++m)
@@ -189,13 +189,15 @@ class DecodeStack {
       with_paged_cache(kc, vc, [&](const auto& cache) {
         using Elem = typename std::decay_t<decltype(cache)>::Elem;
         constexpr simd::KvType K = std::decay_t<decltype(cache)>::kType;
-        // K and V of each row into its slot, rounded to the cache's dtype (as torch's .to() rounds)
+        // K and V of each row into its slot, in the cache's dtype (rounded as torch's .to() rounds; int8 as
+        // kv_format.py encodes)
         auto* kp = const_cast<Elem*>(cache.k);
         auto* vp = const_cast<Elem*>(cache.v);
+        const int64_t ts = cache.token_stride();
         for (int64_t m = 0; m < M; ++m) {
           const float* row = qkv.data() + m * qkv_size;
-          simd::kv_row_from_float<K>(row + q_size, kv_size, kp + slots[m] * kv_size);
-          simd::kv_row_from_float<K>(row + q_size + kv_size, kv_size, vp + slots[m] * kv_size);
+          simd::kv_token_from_float<K>(row + q_size, Hkv, D, kp + slots[m] * ts);
+          simd::kv_token_from_float<K>(row + q_size + kv_size, Hkv, D, vp + slots[m] * ts);
         }
         attend_rows(q_rows.data(), cache, tables, max_blocks, lens, M, Hq, 1.f / std::sqrt(static_cast<float>(D)),
                     attn.data());

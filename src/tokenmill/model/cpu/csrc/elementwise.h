@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
+#include "attention_decode.h"
 #include "simd.h"
 
 namespace {
@@ -140,18 +142,19 @@ inline void qk_norm_(torch::Tensor qkv, torch::Tensor q_norm, torch::Tensor k_no
 }
 
 // qkv [T, (Hq + 2 Hkv) D] (q | k | v per row), cos/sin [T, R/2]: rotates q and k (pairs i, i + R/2 of the first R
-// dims), writes k and v to the caches [num_blocks, block_size, Hkv, D] at slot_mapping [T], returns the rotated q
-// [T, Hq, D].
+// dims), writes k and v to the caches [num_blocks, block_size, Hkv, row] at slot_mapping [T] in the caches' dtype
+// (simd::kv_token_from_float: the decode stack's rotation and rounding, so a token's K and V have the same bits
+// whichever path computed it), returns the rotated q [T, Hq, D].
 inline torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                                    torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                                    int64_t num_kv_heads) {
   check_fp32_rows(qkv, "qkv");
   check_fp32_rows(cos, "cos");
   check_fp32_rows(sin, "sin");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "caches must be contiguous float32 [num_blocks, block_size, Hkv, D]");
-  const int64_t T = qkv.size(0), D = k_cache.size(3), half = cos.size(1), R = 2 * half, Hq = num_heads,
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous [num_blocks, block_size, Hkv, row]");
+  const int64_t T = qkv.size(0), D = kv_head_dim(k_cache), half = cos.size(1), R = 2 * half, Hq = num_heads,
                 Hkv = num_kv_heads;
   TORCH_CHECK(k_cache.size(2) == Hkv && qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
   TORCH_CHECK(cos.size(0) == T && 0 < R && R <= D && sin.sizes() == cos.sizes(),
@@ -166,15 +169,22 @@ inline torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* row = src + t * (q_size + 2 * kv_size);
-      rope_heads(row, qp + t * q_size, Hq, D, R, cp + t * half, sp + t * half);
-      rope_heads(row + q_size, kp + slots[t] * kv_size, Hkv, D, R, cp + t * half, sp + t * half);
-      std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size, vp + slots[t] * kv_size);
-    }
+  with_paged_cache(k_cache, v_cache, [&](const auto& cache) {
+    using Elem = typename std::decay_t<decltype(cache)>::Elem;
+    constexpr simd::KvType K = std::decay_t<decltype(cache)>::kType;
+    auto* kp = const_cast<Elem*>(cache.k);
+    auto* vp = const_cast<Elem*>(cache.v);
+    const int64_t ts = cache.token_stride();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> k_rot(kv_size);
+      for (int64_t t = b; t < e; ++t) {
+        const float* row = src + t * (q_size + 2 * kv_size);
+        rope_heads(row, qp + t * q_size, Hq, D, R, cp + t * half, sp + t * half);
+        rope_heads(row + q_size, k_rot.data(), Hkv, D, R, cp + t * half, sp + t * half);
+        simd::kv_token_from_float<K>(k_rot.data(), Hkv, D, kp + slots[t] * ts);
+        simd::kv_token_from_float<K>(row + q_size + kv_size, Hkv, D, vp + slots[t] * ts);
+      }
+    });
   });
   return q;
 }

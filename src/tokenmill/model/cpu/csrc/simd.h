@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
@@ -147,6 +148,21 @@ inline Vec load_bf16(const uint16_t* p) {
 inline void store_i8(int8_t* p, Vec a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a)));
 }
+// kLanes bytes widened to int32 lanes: signed (int8 codes), unsigned (fp8 bits)
+inline __m512i load_s8_as_i32(const int8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i load_u8_as_i32(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec i32_to_float(__m512i a) { return _mm512_cvtepi32_ps(a); }
+// fp8 e4m3 bits (in int32 lanes) as fp32: sign to bit 31, exponent and mantissa to bits 26..20, then times 2^120
+// (the exponent biases 127 and 7 apart); a subnormal lands on an fp32 subnormal and comes out exact too
+inline Vec f8e4m3_bits_to_float(__m512i x) {
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+}
 
 #elif defined(TOKENMILL_AVX2)
 inline constexpr const char* kIsa = "avx2";
@@ -261,6 +277,18 @@ inline Vec load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 inline Vec load_bf16(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256i load_s8_as_i32(const int8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i load_u8_as_i32(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec i32_to_float(__m256i a) { return _mm256_cvtepi32_ps(a); }
+inline Vec f8e4m3_bits_to_float(__m256i x) {
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24),
+                                       _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
 }
 inline void store_i8(int8_t* p, Vec a) {
   const __m256i i = _mm256_cvtps_epi32(a);
@@ -453,48 +481,100 @@ inline Vec exp(Vec x) {
   return scale_pow2(p, n);
 }
 
-// The KV cache's element types (--kv-cache-dtype): fp32, IEEE half and bfloat16, the 16-bit ones as their bits.
-// A value is stored rounded to nearest even (torch's .to(dtype) rounds the same way, so the C++ decode stack and
-// the torch layers write the same bits) and read back exactly as fp32.
-enum class KvType { kF32, kF16, kBF16 };
+// The KV cache's element types (--kv-cache-dtype): fp32, IEEE half, bfloat16, fp8 e4m3 (unscaled, as vLLM's fp8 with
+// its default scale of 1) and int8 (per token and KV head: D codes, then that row's fp32 scale in 4 trailing bytes,
+// so the row is D + 4 bytes wide). The 16- and 8-bit floats are kept as their bits, written rounded to nearest even
+// and saturating (torch's .to(dtype) rounds and saturates the same way: the C++ decode stack and the torch layers
+// write the same bits), read back exactly as fp32. An int8 row's scale is its largest magnitude / 127, its codes
+// x / scale rounded to nearest even (all zero where the scale is 0); kv_format.py writes the same bytes.
+enum class KvType { kF32, kF16, kBF16, kF8E4M3, kI8 };
 template <KvType K>
-using KvElem = std::conditional_t<K == KvType::kF32, float, uint16_t>;
+using KvElem = std::conditional_t<
+    K == KvType::kF32, float,
+    std::conditional_t<K == KvType::kI8, int8_t, std::conditional_t<K == KvType::kF8E4M3, uint8_t, uint16_t>>>;
+// elements a (token, KV head) row takes past its D values: int8's scale
+template <KvType K>
+inline constexpr int64_t kKvRowExtra = K == KvType::kI8 ? 4 : 0;
 
 template <KvType K>
-inline Vec load_kv(const KvElem<K>* p) {
-  if constexpr (K == KvType::kF32)
+inline Vec load_kv(const KvElem<K>* p) {  // kLanes values (int8: the codes, not yet times the row's scale)
+  if constexpr (K == KvType::kF32) {
     return load(p);
-  else if constexpr (K == KvType::kF16)
+  } else if constexpr (K == KvType::kF16) {
     return load_f16(p);
-  else
+  } else if constexpr (K == KvType::kBF16) {
     return load_bf16(p);
+  } else {
+#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
+    if constexpr (K == KvType::kI8)
+      return i32_to_float(load_s8_as_i32(p));
+    else
+      return f8e4m3_bits_to_float(load_u8_as_i32(p));
+#else
+    Vec r;
+    for (int i = 0; i < kLanes; ++i)
+      r[i] = K == KvType::kI8 ? float(p[i]) : c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(p[i]));
+    return r;
+#endif
+  }
 }
 template <KvType K>
-inline float kv_to_float(KvElem<K> e) {
+inline float kv_to_float(KvElem<K> e) {  // one value (int8: the code)
   if constexpr (K == KvType::kF32)
     return e;
   else if constexpr (K == KvType::kF16)
     return c10::detail::fp16_ieee_to_fp32_value(e);
-  else
+  else if constexpr (K == KvType::kBF16)
     return c10::detail::f32_from_bits(e);
-}
-template <KvType K>
-inline KvElem<K> kv_from_float(float f) {
-  if constexpr (K == KvType::kF32)
-    return f;
-  else if constexpr (K == KvType::kF16)
-    return c10::detail::fp16_ieee_from_fp32_value(f);
+  else if constexpr (K == KvType::kF8E4M3)
+    return c10::detail::fp8e4m3fn_to_fp32_value(e);
   else
-    return c10::detail::round_to_nearest_even(f);
+    return static_cast<float>(e);
 }
-// n values of a KV row as fp32, and back
+// the factor a row's loaded values take: an int8 row's scale (after its D codes), 1 for the other types
 template <KvType K>
-inline void kv_row_to_float(const KvElem<K>* p, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = kv_to_float<K>(p[i]);
+inline float kv_scale(const KvElem<K>* row, int64_t D) {
+  if constexpr (K == KvType::kI8) {
+    float s;
+    std::memcpy(&s, row + D, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
 }
+// one (token, KV head) row's D values as fp32
 template <KvType K>
-inline void kv_row_from_float(const float* p, int64_t n, KvElem<K>* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = kv_from_float<K>(p[i]);
+inline void kv_row_to_float(const KvElem<K>* p, int64_t D, float* out) {
+  const float s = kv_scale<K>(p, D);
+  for (int64_t i = 0; i < D; ++i) out[i] = kv_to_float<K>(p[i]) * s;
+}
+// D fp32 values into one (token, KV head) row of the cache
+template <KvType K>
+inline void kv_row_from_float(const float* p, int64_t D, KvElem<K>* out) {
+  if constexpr (K == KvType::kI8) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(p[i]));
+    const float s = amax / 127.f;
+    for (int64_t i = 0; i < D; ++i)
+      out[i] = s > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(p[i] / s), -127.f, 127.f)) : int8_t(0);
+    std::memcpy(out + D, &s, sizeof s);
+  } else {
+    for (int64_t i = 0; i < D; ++i) {
+      if constexpr (K == KvType::kF32)
+        out[i] = p[i];
+      else if constexpr (K == KvType::kF16)
+        out[i] = c10::detail::fp16_ieee_from_fp32_value(p[i]);
+      else if constexpr (K == KvType::kBF16)
+        out[i] = c10::detail::round_to_nearest_even(p[i]);
+      else
+        out[i] = c10::detail::fp8e4m3fn_from_fp32_value(p[i]);
+    }
+  }
+}
+// a token's Hkv rows (src [Hkv, D] fp32) into the cache at dst (rows D + kKvRowExtra<K> apart)
+template <KvType K>
+inline void kv_token_from_float(const float* src, int64_t Hkv, int64_t D, KvElem<K>* dst) {
+  for (int64_t h = 0; h < Hkv; ++h) kv_row_from_float<K>(src + h * D, D, dst + h * (D + kKvRowExtra<K>));
 }
 
 }  // namespace simd
