@@ -195,10 +195,18 @@ def test_stream_event_sequence(client: openai.OpenAI, served: str, server: Serve
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     text = "".join(str(e["delta"]) for e in events if e["type"] == "response.output_text.delta")
     assert events[-4]["text"] == text == events[-1]["response"]["output"][0]["content"][0]["text"]  # type: ignore[index]
-    # the SDK's stream helper assembles the same response
+    # the SDK's stream helper assembles the same response; a schema that must end soon makes it complete
+    # whatever the model's greedy path
+    three = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 3]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     with client.responses.stream(
-        model=served, input="Count to three.", max_output_tokens=200, temperature=0
-    ) as s:
+        model=served, input="Count to three.", max_output_tokens=200, temperature=0,
+        text={"format": {"type": "json_schema", "name": "count", "schema": three, "strict": True}},
+    ) as s:  # fmt: skip
         sdk_kinds = [event.type for event in s]
         final = s.get_final_response()
     assert sdk_kinds[-1] == "response.completed" and final.status == "completed"

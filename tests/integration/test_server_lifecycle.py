@@ -22,7 +22,10 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--max-num-seqs", "64", "--shutdown-timeout", "3").start()
+    # a context long enough that the long stream below cannot finish within the 3 s deadline on a fast CPU
+    proc = ServerProcess(
+        "--max-num-seqs", "64", "--shutdown-timeout", "3", "--max-model-len", "4096", "--num-kv-blocks", "600"
+    ).start()  # fmt: skip
     yield proc
     proc.stop()
 
@@ -149,7 +152,7 @@ def test_sigterm_finishes_or_aborts_in_flight_then_exits(server: ServerProcess) 
 
     threads = [
         threading.Thread(target=stream, args=("short", 6)),
-        threading.Thread(target=stream, args=("long", 500)),
+        threading.Thread(target=stream, args=("long", 4000)),
     ]
     for t in threads:
         t.start()
@@ -171,6 +174,6 @@ def test_sigterm_finishes_or_aborts_in_flight_then_exits(server: ServerProcess) 
     assert long[-1] == "[DONE]" and long.count("[DONE]") == 1
     last = json.loads(long[-2])
     assert "error" in last and last["error"]["type"] == "server_error"
-    assert len(long) < 500
+    assert len(long) < 4000
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", server.port), timeout=1):
         pass

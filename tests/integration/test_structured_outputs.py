@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from serverproc import ServerProcess
 
 from tokenmill import SamplingParams
@@ -42,12 +42,13 @@ class Paint(BaseModel):  # an enum field
 
 
 class Item(BaseModel):
-    name: str
+    name: str = Field(max_length=24)
     quantity: int
 
 
-class Order(BaseModel):  # a list of objects
-    items: list[Item]
+# a list of objects, bounded: the 135M at temperature 0 may otherwise list items until max_tokens
+class Order(BaseModel):
+    items: list[Item] = Field(min_length=1, max_length=4)
 
 
 @pytest.fixture(scope="module")
