@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,3 +118,38 @@ def cpu_name() -> str:
 
         return platform.processor()
     return f"{fields.get('model name')} (family {fields.get('cpu family')} model {fields.get('model')})"
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, gguf: str, *args: str, port: int = 18090) -> Iterator[str]:
+    """``llama-server -m gguf -t 2 ARGS`` running until the block ends: yields its URL once ``/health`` is 200.
+    Its shared libraries are found beside the binary (the prebuilt package of ``../shared/PEERS.md``)."""
+    import os
+
+    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).resolve().parent))
+    command = [binary, "-m", gguf, "-t", "2", "--port", str(port), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(command)}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -10,6 +10,11 @@ computing an N-token prefill per row, the model's KV tensors are filled with ran
 not change the work) and the model's own forward runs one token after an N-token context through a shuffled block
 table, as the engine's runner calls it (the C++ decode stack on CPU), ``--steps`` times after a warm-up; the
 median step is printed as tokens/s with the KV bytes it read. The weights: the default arithmetic.
+
+With ``--llama-server PATH`` (the prebuilt one of ``../shared/PEERS.md``) llama.cpp's server runs the same GGUF
+after tokenmill, one slot with a context of the deepest depth, as its user gets it (f16 KV): per depth a prompt
+of that many random token ids, then ``--llama-tokens`` decoded tokens, its own ``predicted_per_second``; the
+last column is tokenmill's default KV dtype over it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,27 @@ def step_times(model, depth: int, dtype: torch.dtype, steps: int, block_size: in
     return times[2:]
 
 
+def llama_server_rates(
+    binary: str, gguf: str, depths: list[int], num_tokens: int, vocab_size: int
+) -> dict[int, float]:
+    """llama-server's decode rate after a prompt of each depth (one slot, context for the deepest)."""
+    from benchmarks.common import llama_server, post_json
+
+    rng = random.Random(0)
+    out = {}
+    with llama_server(binary, gguf, "-np", "1", "-c", str(max(depths) + num_tokens + 64)) as url:
+        body = {"n_predict": 4, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+        post_json(url + "/completion", {**body, "prompt": [rng.randrange(100, vocab_size - 1000)] * 16})
+        for depth in depths:
+            prompt = [rng.randrange(100, vocab_size - 1000) for _ in range(depth)]
+            reply = post_json(url + "/completion", {**body, "prompt": prompt, "n_predict": num_tokens})
+            assert reply["tokens_predicted"] == num_tokens, reply["tokens_predicted"]
+            out[depth] = float(reply["timings"]["predicted_per_second"])
+            print(f"  llama-server at {depth}: prefill {reply['timings']['prompt_per_second']:.1f} tok/s, "
+                  f"decode {out[depth]:.2f} tok/s", flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="1024,8192,16384")
     parser.add_argument("--dtypes", default="float32,float16,bfloat16,float8_e4m3fn,int8")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--llama-server", default=None, help="path to llama-server (omit: tokenmill only)")
+    parser.add_argument("--llama-tokens", type=int, default=32, help="tokens llama-server decodes per depth")
     args = parser.parse_args(argv)
     from tokenmill.model.loader import kv_bytes_per_block, load_model
     from tokenmill.models import resolve
@@ -68,14 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; {args.model}, "
           f"{loaded.describe_arithmetic().split(':')[0]}; median of {args.steps} steps")  # fmt: skip
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    depths = [int(d) for d in args.depths.split(",")]
+    rates: dict[int, list[float]] = {}
     print(f"{'context':>8} " + " ".join(f"{str(d).removeprefix('torch.'):>22}" for d in dtypes))
-    for depth in (int(d) for d in args.depths.split(",")):
+    for depth in depths:
         cells = []
         for dtype in dtypes:
             step_s = statistics.median(step_times(loaded.model, depth, dtype, args.steps))
+            rates.setdefault(depth, []).append(1 / step_s)
             kv_mb = kv_bytes_per_block(config, 1, dtype) * depth / 1e6
             cells.append(f"{1 / step_s:7.2f} tok/s ({kv_mb:6.0f} MB)")
         print(f"{depth:>8} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+    if args.llama_server:
+        default = torch.float16 if torch.float16 in dtypes else dtypes[0]
+        peer = llama_server_rates(
+            args.llama_server, loaded.source, depths, args.llama_tokens, config.vocab_size
+        )
+        print(
+            f"llama-server (f16 KV, {args.llama_tokens} tokens after the prompt) beside tokenmill's {default}:"
+        )
+        for depth in depths:
+            ours = rates[depth][dtypes.index(default)]
+            print(
+                f"{depth:>8} llama-server {peer[depth]:7.2f} tok/s  tokenmill {ours:7.2f}  {ours / peer[depth]:5.2f}x"
+            )
     return 0
 
 

@@ -17,13 +17,12 @@ Prints each wall time and the ratios measured in this one run.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import subprocess
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from benchmarks.common import llama_server, post_json
 
 
 def make_requests(n: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -48,44 +47,11 @@ def run_tokenmill(model: str, requests: list[tuple[list[int], int]], **engine_kw
     return elapsed_s
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as resp:
-        return json.loads(resp.read())  # type: ignore[no-any-return]
-
-
 def run_llama_server(binary: str, gguf: str, requests: list[tuple[list[int], int]], parallel: int) -> float:
-    port = 18090
-    proc = subprocess.Popen(
-        [
-            binary,
-            "-m",
-            gguf,
-            "-np",
-            str(parallel),
-            "-c",
-            str(parallel * 1024),
-            "-t",
-            "2",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+    with llama_server(binary, gguf, "-np", str(parallel), "-c", str(parallel * 1024)) as url:
 
         def one(req: tuple[list[int], int]) -> int:
-            out = _post(
+            out = post_json(
                 url + "/completion",
                 {
                     "prompt": req[0],
@@ -104,9 +70,6 @@ def run_llama_server(binary: str, gguf: str, requests: list[tuple[list[int], int
         elapsed_s = time.perf_counter() - start
         assert counts == [m for _, m in requests], counts
         return elapsed_s
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def main() -> None:

@@ -20,8 +20,9 @@ MSGS = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess(
-        "--max-num-seqs", "2", "--max-queue", "2", "--max-body-bytes", "65536", env={"TOKENMILL_API_KEY": KEY}
-    ).start()
+        "--max-num-seqs", "2", "--max-queue", "2", "--max-body-bytes", "65536", "--max-tokens-past-context",
+        "refuse", env={"TOKENMILL_API_KEY": KEY},
+    ).start()  # fmt: skip
     yield proc
     proc.stop()
 

@@ -315,7 +315,7 @@ def client() -> Any:
     fake = FakeEngine()
     ae = AsyncEngine(fake, max_queue=16)
     ae.start()
-    app = build_app(ae, "fake-model", api_key="sekrit", max_body_bytes=4096)
+    app = build_app(ae, "fake-model", api_key="sekrit", max_body_bytes=4096, max_tokens_past_context="refuse")
     transport = httpx.ASGITransport(app=app)
     c = httpx.AsyncClient(
         transport=transport, base_url="http://t", headers={"Authorization": "Bearer sekrit"}

@@ -61,6 +61,7 @@ def build_app(
     response_store: ResponseStore | None = None,
     enable_per_request_metrics: bool = False,
     model_aliases: Sequence[str] = (),
+    max_tokens_past_context: str = "cap",
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
@@ -87,6 +88,7 @@ def build_app(
         response_store=ResponseStore() if response_store is None else response_store,
         enable_per_request_metrics=enable_per_request_metrics,
         model_aliases=frozenset(model_aliases),
+        max_tokens_past_context=max_tokens_past_context,
     )
 
     if getattr(async_engine, "metrics", None) is not None:

@@ -51,6 +51,18 @@ class ServerState:
     model_aliases: frozenset[str] = (
         frozenset()
     )  # other names requests may use: the pulled name, the file's own
+    # a max_tokens past the context's end: "cap" (generate to the end, finish_reason "length", as llama.cpp's
+    # and Ollama's servers do) or "refuse" (400, as OpenAI's API and vLLM do)
+    max_tokens_past_context: str = "cap"
+
+
+def fit_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int) -> int:
+    """``max_tokens`` for a prompt of ``num_prompt_tokens``: under "cap", at most what the context has left
+    after the prompt (a prompt that fills the context is left to the engine's refusal)."""
+    room = state.async_engine.max_model_len - num_prompt_tokens
+    if state.max_tokens_past_context == "cap" and 0 < room < max_tokens:
+        return room
+    return max_tokens
 
 
 MAX_CHARS_PER_TOKEN = 32  # text past this many characters per token of context could never be a prompt
@@ -105,6 +117,7 @@ class ApiError(Exception):
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers
+        self.anthropic_message: str | None = None  # where Anthropic's API words it otherwise
 
     @classmethod
     def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -123,7 +136,10 @@ class ApiError(Exception):
         kind = ANTHROPIC_ERROR_TYPES.get(
             self.status_code, "api_error" if self.status_code >= 500 else "invalid_request_error"
         )
-        return {"type": "error", "error": {"type": kind, "message": self.info.message}}
+        return {
+            "type": "error",
+            "error": {"type": kind, "message": self.anthropic_message or self.info.message},
+        }
 
     def response_for(self, path: str) -> JSONResponse:
         """The error in the shape the API at ``path`` speaks: Anthropic's under /v1/messages, else OpenAI's.
@@ -167,14 +183,25 @@ def unavailable(message: str) -> ApiError:
 
 
 def context_length_error(max_model_len: int, num_prompt_tokens: int, num_completion_tokens: int) -> ApiError:
+    """In OpenAI's words, and in Anthropic's for the Messages API: Claude Code reads the numbers of "input
+    length and `max_tokens` exceed context limit" to resend with a max_tokens that fits, and "prompt is too
+    long" to compact its conversation."""
     requested = num_prompt_tokens + num_completion_tokens
-    return ApiError.bad_request(
+    error = ApiError.bad_request(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
         f"{requested} tokens ({num_prompt_tokens} in the messages, {num_completion_tokens} in the completion). "
         "Please reduce the length of the messages or completion.",
         param="messages",
         code="context_length_exceeded",
     )
+    if num_prompt_tokens >= max_model_len:
+        error.anthropic_message = f"prompt is too long: {num_prompt_tokens} tokens > {max_model_len} maximum"
+    else:
+        error.anthropic_message = (
+            f"input length and `max_tokens` exceed context limit: {num_prompt_tokens} + {num_completion_tokens} "
+            f"> {max_model_len}, decrease input length or `max_tokens` and try again"
+        )
+    return error
 
 
 async def read_json_body(request: Request, max_body_bytes: int, timeout_s: float | None = None) -> Any:

@@ -78,6 +78,14 @@ def _add_http_arguments(s: Any) -> None:
         choices=["hermes", "llama3_json"],
         help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; llama3_json: a JSON object)",
     )
+    s.add_argument(
+        "--max-tokens-past-context",
+        default="cap",
+        choices=["cap", "refuse"],
+        help="a request whose prompt fits but whose max_tokens runs past the context's end: cap (generate to "
+        "the end, finish_reason length, as llama.cpp's and Ollama's servers do; agents such as opencode ask "
+        "for 32,000 tokens by default) or refuse (400 context_length_exceeded, as OpenAI's API and vLLM do)",
+    )
     _add_observability_arguments(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
@@ -310,6 +318,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         response_store=response_store_from_args(args),
         enable_per_request_metrics=args.enable_per_request_metrics,
         model_aliases=model_aliases(engine.loaded.source, engine.model_name, args.model),
+        max_tokens_past_context=args.max_tokens_past_context,
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",

@@ -147,6 +147,21 @@ class OutputConfig(_Request):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
+class ClearThinkingEdit(_Request):
+    """An edit that clears earlier turns' thinking blocks: a conversation here holds none (thinking blocks in
+    ``messages`` are refused and the models served do not think), so any ``keep`` asks for nothing."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Any = None
+
+
+class ContextManagement(_Request):
+    """Server-side context editing. Clearing thinking (Claude Code sends it on every request) is accepted;
+    clearing old tool results (``clear_tool_uses_...``) would change the prompt and is not done here: 400."""
+
+    edits: list[ClearThinkingEdit] | None = None
+
+
 class _MessagesBase(_Request):
     model: str
     messages: list[MessageParam]
@@ -156,6 +171,7 @@ class _MessagesBase(_Request):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None  # every prompt's prefix is cached here
+    context_management: ContextManagement | None = None
 
     def function_tools(self) -> list[Tool]:
         return validate_tools(

@@ -52,7 +52,12 @@ class Refusal(_Request):
     refusal: str
 
 
-class MessageItem(_Request):
+class _Item(_Request):
+    # the client's own labels of an item (Codex CLI's turn id and creation time): ask for nothing
+    internal_chat_message_metadata_passthrough: dict[str, Any] | None = None
+
+
+class MessageItem(_Item):
     type: Literal["message"] | None = None
     id: str | None = None
     status: str | None = None
@@ -67,7 +72,7 @@ class MessageItem(_Request):
         return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     id: str | None = None
     status: str | None = None
@@ -80,7 +85,7 @@ class FunctionCallItem(_Request):
         return self.name if self.namespace is None else f"{self.namespace}__{self.name}"
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     id: str | None = None
     status: str | None = None

@@ -18,6 +18,7 @@ from tokenmill.server.common import (
     ServerState,
     api_error,
     check_text_chars,
+    fit_max_tokens,
     parse_request,
     request_body,
     submit,
@@ -103,6 +104,7 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     if max_tokens < 1:  # a prompt-only score is the completions route's echo
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise ParamError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    max_tokens = fit_max_tokens(state, len(prompt_ids), max_tokens)
     top_logprobs = req.top_logprobs
     if top_logprobs and not req.logprobs:
         raise ParamError("top_logprobs requires logprobs to be true", param="top_logprobs")

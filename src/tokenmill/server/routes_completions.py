@@ -18,6 +18,7 @@ from tokenmill.server.common import (
     ServerState,
     api_error,
     check_text_chars,
+    fit_max_tokens,
     parse_request,
     request_body,
     submit,
@@ -60,7 +61,7 @@ async def create_completion(request: Request) -> Response:
             for i in range(n):
                 params = to_sampling_params(
                     req,
-                    max_tokens=max_tokens,
+                    max_tokens=fit_max_tokens(state, len(prompt.token_ids), max_tokens),
                     logprobs=req.logprobs,
                     prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None,
                     seed=None if req.seed is None else req.seed + i,
