@@ -75,6 +75,7 @@ def build_app(
         routes_info,
         routes_messages,
         routes_responses,
+        routes_responses_socket,
         routes_tokenize,
     )
 
@@ -106,6 +107,7 @@ def build_app(
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_responses_socket.router)
     app.include_router(routes_messages.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_info.router)
@@ -182,7 +184,8 @@ class HeaderLimitMiddleware:
 
 class ApiKeyMiddleware:
     """Rejects, with 401, every HTTP request but those to ``open_paths`` that lacks one of the keys: a bearer
-    token (OpenAI's clients) or an ``x-api-key`` header (Anthropic's). An accepted request carries its key's
+    token (OpenAI's clients) or an ``x-api-key`` header (Anthropic's); a WebSocket without one is closed before
+    its handshake completes (403). An accepted request carries its key's
     owner id (a digest, never the key) in the scope's state (``common.KEY_OWNER``): what it stores is its own.
 
     The comparison is constant-time over SHA-256 digests against every key (no early exit), so neither
@@ -197,13 +200,17 @@ class ApiKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.open_paths:
+        if scope["type"] not in ("http", "websocket") or scope.get("path") in self.open_paths:
             await self.app(scope, receive, send)
             return
         owner = self._owner(scope)
         if owner is not None:
             scope.setdefault("state", {})[KEY_OWNER] = owner
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # refused before the handshake completes: the client sees a 403
+            await receive()
+            await send({"type": "websocket.close", "code": 1008, "reason": "Incorrect API key provided."})
             return
         error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         error.headers = {"WWW-Authenticate": "Bearer"}

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -33,7 +33,7 @@ T = TypeVar("T")
 KEY_OWNER = "tokenmill_key_owner"  # in the ASGI scope's state: who stores what this request stores
 
 
-def key_owner(request: Request) -> str:
+def key_owner(request: HTTPConnection) -> str:
     """The owner of what this request stores (a digest of its API key; ``""`` when the server has none)."""
     return str(request.scope.get("state", {}).get(KEY_OWNER, ""))
 
@@ -95,7 +95,7 @@ async def tokenize_off_loop(fn: Callable[..., T], *args: Any) -> T:
         ) from None
 
 
-def get_state(request: Request) -> ServerState:
+def get_state(request: HTTPConnection) -> ServerState:
     state: ServerState = request.app.state.tokenmill
     return state
 

@@ -73,6 +73,10 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._release()
+        super().connection_lost(exc)
+
+    def _release(self) -> None:
         if self._counted_as is not None:
             counts = self.open_by_client
             for key in (self._counted_as, ""):
@@ -80,7 +84,20 @@ class BoundedH11Protocol(H11Protocol):
                 if not counts[key]:
                     del counts[key]
             self._counted_as = None
-        super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The connection becomes a WebSocket's (the Responses API's WebSocket mode): it stays counted until the
+        WebSocket protocol that takes the transport over loses it."""
+        self._disarm_header_timer()
+        super().handle_websocket_upgrade(event)
+        socket = self.transport.get_protocol()
+        lost = socket.connection_lost
+
+        def connection_lost(exc: Exception | None) -> None:
+            self._release()
+            lost(exc)
+
+        socket.connection_lost = connection_lost  # type: ignore[method-assign]
 
     def _refuse_connection(self, message: str) -> None:
         self.transport.write(

@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.outputs import Logprob, RequestDelta
-from tokenmill.server.async_engine import ChoiceResult
+from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
     ApiError,
     ServerState,
@@ -61,14 +62,33 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
 @router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
 async def create_response(request: Request) -> Response:
     state, req = await parse_request(request, ResponsesRequest)
+    view, group = await begin_response(request, state, req)
+    response = await respond(request, state, view, group, bool(req.stream))
+    dropped = req.offered_tools().dropped
+    if dropped and isinstance(response, Response):  # built-in tools the model answered without
+        response.headers[DROPPED_TOOLS_HEADER] = ",".join(dropped)
+    return response
+
+
+async def begin_response(
+    conn: HTTPConnection,
+    state: ServerState,
+    req: ResponsesRequest,
+    remembered: Mapping[str, list[dict[str, Any]]] | None = None,
+) -> tuple[_ResponsesView, RequestGroup]:
+    """A request checked, the conversation it continues found (a WebSocket's ``remembered`` responses first,
+    then the store), its prompt planned and submitted: its view and engine group."""
     try:
         req.check()
         history: list[InputItem] = []
         if req.previous_response_id is not None:
-            stored = await _stored(request, req.previous_response_id)
-            if stored is None:
-                raise _not_found(req.previous_response_id, "previous_response_id")
-            history = parse_items(stored.conversation, param="previous_response_id")
+            earlier = None if remembered is None else remembered.get(req.previous_response_id)
+            if earlier is None:
+                stored = await _stored(conn, req.previous_response_id)
+                if stored is None:
+                    raise _not_found(req.previous_response_id, "previous_response_id")
+                earlier = stored.conversation
+            history = parse_items(earlier, param="previous_response_id")
         chat = to_chat(req, history)
         plan = await tokenize_off_loop(plan_chat, state, chat)
     except ParamError as exc:
@@ -79,12 +99,7 @@ async def create_response(request: Request) -> Response:
         structured_param="tools" if chat.forces_tool_call else ("text.format" if plan.structured_param else None),
     )  # fmt: skip
     conversation = [item.model_dump(exclude_none=True) for item in history + req.input_items()]
-    view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(request))
-    response = await respond(request, state, view, group, bool(req.stream))
-    dropped = req.offered_tools().dropped
-    if dropped and isinstance(response, Response):  # built-in tools the model answered without
-        response.headers[DROPPED_TOOLS_HEADER] = ",".join(dropped)
-    return response
+    return _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(conn)), group
 
 
 DROPPED_TOOLS_HEADER = "x-tokenmill-dropped-tools"  # built-in tools (web_search ...) left out as optional
@@ -115,14 +130,14 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
     return JSONResponse(stored.response)
 
 
-async def _stored(request: Request, response_id: str) -> StoredResponse | None:
+async def _stored(request: HTTPConnection, response_id: str) -> StoredResponse | None:
     """The stored response if this request's API key stored it (off the event loop: the store may be a file
     or a server); a store that fails is a 503 saying so."""
     stored: StoredResponse | None = await _in_store(request, "get", response_id)
     return stored
 
 
-async def _in_store(request: Request, operation: str, response_id: str) -> Any:
+async def _in_store(request: HTTPConnection, operation: str, response_id: str) -> Any:
     """``store.get`` or ``store.delete`` for this request's key, off the event loop (the store may be a file
     or a server); a store that fails is a 503 saying so."""
     method = getattr(get_state(request).response_store, operation)
@@ -229,6 +244,9 @@ class _ResponsesView:
         self.token_ids: list[int] = []
         self.logprob_entries: list[Logprob] = []
         self.message_id: str | None = None  # the open message item, once text has started
+        # called with the id and the whole conversation (input and output) of the finished response, stored or
+        # not: a WebSocket keeps its store-less responses for its own continuations
+        self.remember: Callable[[str, list[dict[str, Any]]], None] | None = None
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
 
@@ -321,12 +339,13 @@ class _ResponsesView:
 
     def store(self, response: ResponseObject) -> None:
         """Keep the response for its key; one the store could not keep says ``store: false``."""
+        body = response.model_dump()
+        conversation = self.conversation + [dict(i) for i in body["output"]]
+        if self.remember is not None:
+            self.remember(self.id, conversation)
         if self.req.store is False:
             return
-        body = response.model_dump()
-        if not self.state.response_store.put(
-            body, self.conversation + [dict(i) for i in body["output"]], self.owner
-        ):
+        if not self.state.response_store.put(body, conversation, self.owner):
             response.store = False
 
     # --- respond.View: whole -------------------------------------------------------------------------------
