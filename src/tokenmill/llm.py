@@ -48,13 +48,17 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: ParamsArg = None,
         use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+        ``chat_template_kwargs``: more variables for the template (``{"enable_thinking": False}`` for Qwen3)."""
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = []
         for conversation in conversations:
-            prompts.append(self.engine.tokenizer.encode_chat(list(conversation)))  # type: ignore[arg-type]
+            prompts.append(
+                self.engine.tokenizer.encode_chat(list(conversation), template_kwargs=chat_template_kwargs)  # type: ignore[arg-type]
+            )
         outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outputs

@@ -273,9 +273,13 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Template then encode; the BOS a template writes itself is not doubled."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        """Template then encode; the BOS a template writes itself is not doubled. ``template_kwargs``: more
+        variables for the template (``enable_thinking``...)."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+        )
         ids = self.encode(text)
         bos = self.bos_token_id
         if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:

@@ -283,7 +283,7 @@ def test_logprobs_through_include(client: openai.OpenAI, served: str) -> None:
         ({"temperature": -1.0}, "temperature"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"top_logprobs": 3}, "top_logprobs"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),

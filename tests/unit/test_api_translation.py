@@ -65,7 +65,7 @@ def test_responses_history_comes_before_the_input_and_instructions_first() -> No
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+        ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0].type",

@@ -62,6 +62,8 @@ def build_app(
     enable_per_request_metrics: bool = False,
     model_aliases: Sequence[str] = (),
     max_tokens_past_context: str = "cap",
+    reasoning_parser: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
@@ -90,6 +92,8 @@ def build_app(
         enable_per_request_metrics=enable_per_request_metrics,
         model_aliases=frozenset(model_aliases),
         max_tokens_past_context=max_tokens_past_context,
+        reasoning_parser=reasoning_parser,
+        default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
 
     if getattr(async_engine, "metrics", None) is not None:

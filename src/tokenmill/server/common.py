@@ -54,6 +54,8 @@ class ServerState:
     # a max_tokens past the context's end: "cap" (generate to the end, finish_reason "length", as llama.cpp's
     # and Ollama's servers do) or "refuse" (400, as OpenAI's API and vLLM do)
     max_tokens_past_context: str = "cap"
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: a thinking model's <think> text split out
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under each request's own
 
 
 def fit_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int) -> int:

@@ -86,6 +86,20 @@ def _add_http_arguments(s: Any) -> None:
         "the end, finish_reason length, as llama.cpp's and Ollama's servers do; agents such as opencode ask "
         "for 32,000 tokens by default) or refuse (400 context_length_exceeded, as OpenAI's API and vLLM do)",
     )
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="a thinking model's <think> text goes to message.reasoning (and reasoning_content), streamed as "
+        "delta.reasoning, the rest to content (vLLM's parsers and rules)",
+    )
+    s.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="variables for the chat template under each request's chat_template_kwargs, e.g. '{\"enable_thinking\": "
+        "false}'",
+    )
     _add_observability_arguments(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
@@ -319,6 +333,10 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         enable_per_request_metrics=args.enable_per_request_metrics,
         model_aliases=model_aliases(engine.loaded.source, engine.model_name, args.model),
         max_tokens_past_context=args.max_tokens_past_context,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=_json_object(
+            args.default_chat_template_kwargs, "--default-chat-template-kwargs"
+        ),
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%d, kv blocks=%d, api key %s)",
@@ -427,6 +445,19 @@ async def _serve(server: Any, async_engine: Any, shutdown_timeout_s: float) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await server.serve()
+
+
+def _json_object(text: str | None, flag: str) -> dict[str, Any]:
+    """A flag's JSON object ({} when unset); ValueError naming the flag otherwise."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: must be a JSON object, got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -268,6 +268,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking), and whether a reasoning model's
+    # thinking is returned (--reasoning-parser)
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool | None = True
     # OpenAI fields whose values below ask for nothing tokenmill would have to do (a value that asks for
     # something it does not do is a 400 naming the field): nothing is stored (store true is refused),
     # metadata only labels a stored completion, "auto"/"default" is the one service tier there is, text is
@@ -429,6 +433,17 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    # a reasoning model's thinking (--reasoning-parser): vLLM's field, and its older name
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_set(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.reasoning is None:
+            out.pop("reasoning", None)
+            out.pop("reasoning_content", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -452,12 +467,15 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's chunks: index, id, type, function
+    reasoning: str | None = None  # a reasoning model's thinking, also sent as reasoning_content (vLLM's)
 
     @model_serializer
     def _drop_unset(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.role is not None:
             out["role"] = self.role
+        if self.reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = self.reasoning
         if self.content is not None:
             out["content"] = self.content
         if self.tool_calls is not None:

@@ -55,10 +55,23 @@ class ToolResultBlock(_Request):
         return f"Error: {body}" if self.is_error else body
 
 
-_BLOCKS: dict[str, type[TextBlock] | type[ToolUseBlock] | type[ToolResultBlock]] = {
-    "text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+class ThinkingBlock(_Request):
+    """An earlier turn's thinking, as a reasoning model's answer gave it back (``thinking``, or Anthropic's
+    ``redacted_thinking``): accepted in an assistant turn and not shown to the model again (thinking models'
+    templates drop earlier turns' reasoning)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+_BLOCKS: dict[str, type[TextBlock] | type[ToolUseBlock] | type[ToolResultBlock] | type[ThinkingBlock]] = {
+    "text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
+    "redacted_thinking": ThinkingBlock,
 }  # fmt: skip
-Block = TextBlock | ToolUseBlock | ToolResultBlock
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class MessageParam(_Request):
@@ -74,11 +87,11 @@ class MessageParam(_Request):
             model = _BLOCKS.get(kind) if isinstance(kind, str) else None
             if model is None:
                 raise ParamError(
-                    f"{where}.content.{j}.type: block type {kind!r} is not supported (text, tool_use and "
-                    "tool_result only)", param=f"{where}.content.{j}.type",
+                    f"{where}.content.{j}.type: block type {kind!r} is not supported (text, tool_use, "
+                    "tool_result and thinking only)", param=f"{where}.content.{j}.type",
                 )  # fmt: skip
             if (
-                model is ToolUseBlock
+                model in (ToolUseBlock, ThinkingBlock)
                 and self.role != "assistant"
                 or model is ToolResultBlock
                 and self.role != "user"
@@ -191,6 +204,8 @@ class _MessagesBase(_Request):
         for i, message in enumerate(self.messages):
             texts, calls = [], []
             for block in message.blocks(f"messages.{i}"):
+                if isinstance(block, ThinkingBlock):
+                    continue
                 if isinstance(block, ToolResultBlock):
                     out.append({"role": "tool", "content": block.text(), "tool_call_id": block.tool_use_id})
                 elif isinstance(block, ToolUseBlock):

@@ -96,11 +96,24 @@ class FunctionCallOutputItem(_Item):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
-_ITEM_TYPES: dict[str, type[MessageItem] | type[FunctionCallItem] | type[FunctionCallOutputItem]] = {
+class ReasoningItem(_Item):
+    """An earlier turn's thinking, as a reasoning model's response gave it back: accepted and not shown to the
+    model again (thinking models' templates drop earlier turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    status: str | None = None
+    summary: list[dict[str, Any]] | None = None
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEM_TYPES: dict[str, type[InputItem]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
 _CONTENT_TYPES = ("input_text", "output_text", "refusal")
 
@@ -117,7 +130,7 @@ def parse_items(raw: list[Any], param: str = "input") -> list[InputItem]:
         if model is None:
             raise ParamError(
                 f"{where}.type: item type {kind!r} is not supported (tokenmill takes messages, function_call "
-                "and function_call_output items)", param=f"{where}.type",
+                "function_call_output and reasoning items)", param=f"{where}.type",
             )  # fmt: skip
         if model is MessageItem and isinstance(item.get("content"), list):
             for j, part in enumerate(item["content"]):
@@ -344,6 +357,8 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     call's output is a tool message answering it."""
     messages: list[dict[str, Any]] = []
     for item in items:
+        if isinstance(item, ReasoningItem):
+            continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": item.text()})

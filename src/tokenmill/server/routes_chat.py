@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -12,6 +13,7 @@ from starlette.responses import Response
 
 from tokenmill.generation_defaults import default_max_tokens
 from tokenmill.outputs import Logprob, RequestDelta
+from tokenmill.reasoning import StreamSplit, prompt_opens_reasoning, split
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
@@ -52,6 +54,12 @@ from tokenmill.server.tool_calls import parse as parse_tool_calls
 router = APIRouter()
 
 
+# template variables a request sets through its own fields, never through chat_template_kwargs
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
 def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids: the chat template applied to ``messages``; ParamError when it cannot be."""
     messages = req.template_messages(state.tool_call_parser)
@@ -71,8 +79,17 @@ def encode_messages(state: ServerState, req: ChatCompletionRequest) -> list[int]
     check_text_chars(
         state, num_chars + (len(json.dumps(template_tools)) if template_tools else 0), "messages"
     )
+    template_kwargs = {**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise ParamError(
+            f"chat_template_kwargs: {reserved[0]!r} is set by the request itself",
+            param="chat_template_kwargs",
+        )
+    kwargs: dict[str, Any] = {} if template_tools is None else {"tools": template_tools}
+    if template_kwargs:
+        kwargs["template_kwargs"] = template_kwargs
     try:
-        kwargs = {} if template_tools is None else {"tools": template_tools}
         token_ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except ValueError as exc:
         raise ParamError(str(exc), param="messages") from None
@@ -147,7 +164,36 @@ async def create_chat_completion(request: Request) -> Response:
         state, plan.engine_prompts, chat_id, req.cache_salt, structured_param=plan.structured_param
     )
     view = _ChatView(state, req, chat_id, len(plan.prompt_ids))
+    view.reasoning = reasoning_for(state, req, plan.prompt_ids)
     return await respond(request, state, view, group, bool(req.stream))
+
+
+def reasoning_for(state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]) -> Reasoning | None:
+    """How a reasoning model's answers are split (``--reasoning-parser``), or None when they are not."""
+    if state.reasoning_parser is None:
+        return None
+    tail = state.async_engine.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    return Reasoning(state.reasoning_parser, prompt_opens_reasoning(tail), req.include_reasoning is not False)
+
+
+@dataclass
+class Reasoning:
+    """A request's reasoning split: the parser, whether its prompt opened the thought, whether it is returned
+    (``include_reasoning``); one :class:`StreamSplit` per streamed choice."""
+
+    parser: str
+    opened_in_prompt: bool
+    included: bool
+    streams: dict[int, StreamSplit] = field(default_factory=dict)
+
+    def whole(self, text: str) -> tuple[str | None, str]:
+        got = split(self.parser, text, self.opened_in_prompt)
+        return (got.reasoning if self.included else None), got.content
+
+    def piece(self, index: int, new_text: str, final: bool) -> tuple[str | None, str]:
+        stream = self.streams.setdefault(index, StreamSplit(self.parser, self.opened_in_prompt))
+        reasoning, content = stream.feed(new_text, final)
+        return (reasoning if reasoning and self.included else None), content
 
 
 class _ChatView(OpenAIView):
@@ -163,6 +209,7 @@ class _ChatView(OpenAIView):
         self.tool_names = {t["function"]["name"] for t in req.active_tools()}
         self.buffers: dict[int, str] = {}  # with tools: each choice's text so far (calls are parsed whole)
         self.sent: dict[int, int] = {}  # ... and how much of it went out as content
+        self.reasoning: Reasoning | None = None  # --reasoning-parser: the thinking split from the answer
 
     # --- respond.View ----------------------------------------------------------------------------------
     def opening_events(self, num_choices: int) -> list[str]:
@@ -218,32 +265,49 @@ class _ChatView(OpenAIView):
             choices=choices, **self.envelope(sum(len(r.token_ids) for r in results))
         )
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
-        """The answer, its tool calls parsed out when tools were offered (finish_reason then "tool_calls")."""
+    def message(
+        self, text: str, finish_reason: str | None, split_reasoning: bool = True
+    ) -> tuple[ChatResponseMessage, str | None]:
+        """The answer, its reasoning split out (``--reasoning-parser``) and its tool calls parsed out of what
+        follows it when tools were offered (finish_reason then "tool_calls")."""
+        reasoning = None
+        if self.reasoning is not None and split_reasoning:
+            reasoning, text = self.reasoning.whole(text)
+        thought = {"reasoning": reasoning, "reasoning_content": reasoning}
         if not self.tool_names:
-            return ChatResponseMessage(content=text), finish_reason
+            return ChatResponseMessage(content=text, **thought), finish_reason
         content, calls = parse_tool_calls(text, self.parser, self.tool_names)
         if not calls:
-            return ChatResponseMessage(content=text), finish_reason
+            return ChatResponseMessage(content=text, **thought), finish_reason
         out = [
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls
         ]
-        return ChatResponseMessage(content=content, tool_calls=out), "tool_calls"
+        return ChatResponseMessage(content=content, tool_calls=out, **thought), "tool_calls"
 
     def role_chunk(self, index: int) -> str:
         return self.chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
 
     def delta_choice(self, index: int, delta: RequestDelta) -> ChatStreamChoice | None:
+        reasoning = None
+        if self.reasoning is not None:  # the thinking goes out as delta.reasoning, the rest as below
+            reasoning, text = self.reasoning.piece(index, delta.new_text, delta.finished)
+            delta = replace(delta, new_text=text)
         if self.tool_names:
-            return self._tool_delta_choice(index, delta)
+            choice = self._tool_delta_choice(index, delta)
+            if reasoning is not None:
+                choice = choice or ChatStreamChoice(index=index, delta=ChatDelta())
+                choice.delta.reasoning = reasoning
+            return choice
         logprobs = None
         if self.want_logprobs and delta.new_token_ids:
             logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs)
-        if not delta.new_text and not delta.finished and logprobs is None:
+        if not delta.new_text and not delta.finished and logprobs is None and reasoning is None:
             return None  # text held back (an incomplete character or a possible stop string)
         return ChatStreamChoice(
             index=index,
-            delta=ChatDelta(content=delta.new_text),
+            delta=ChatDelta(
+                content=delta.new_text if delta.new_text or reasoning is None else None, reasoning=reasoning
+            ),  # fmt: skip
             logprobs=logprobs,
             finish_reason=delta.finish_reason if delta.finished else None,
             stop_reason=delta.stop_reason if delta.finished else None,
@@ -263,7 +327,7 @@ class _ChatView(OpenAIView):
             return ChatStreamChoice(index=index, delta=ChatDelta(content=text[sent:ready]))
         del self.buffers[index]
         self.sent.pop(index, None)
-        message, finish_reason = self.message(text, delta.finish_reason)
+        message, finish_reason = self.message(text, delta.finish_reason, split_reasoning=False)
         if not message.tool_calls:
             return ChatStreamChoice(
                 index=index, delta=ChatDelta(content=text[sent:]), finish_reason=finish_reason,

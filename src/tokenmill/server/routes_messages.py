@@ -31,7 +31,7 @@ from tokenmill.server.common import (
 from tokenmill.server.protocol import ParamError
 from tokenmill.server.protocol_messages import CountTokensRequest, MessageObject, MessagesRequest, Usage
 from tokenmill.server.respond import respond
-from tokenmill.server.routes_chat import encode_messages, plan_chat
+from tokenmill.server.routes_chat import Reasoning, encode_messages, plan_chat, reasoning_for
 from tokenmill.server.tool_calls import parse as parse_tool_calls
 from tokenmill.server.tool_calls import streamable_prefix
 
@@ -57,6 +57,8 @@ async def create_message(request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex}"
     group = await submit(state, plan.engine_prompts, message_id, structured_param="tools")
     view = _MessagesView(state, req, message_id, len(plan.prompt_ids))
+    view.reasoning = reasoning_for(state, chat, plan.prompt_ids)
+    view.show_thinking = req.thinking is None or req.thinking.display != "omitted"
     return await respond(request, state, view, group, bool(req.stream))
 
 
@@ -90,6 +92,39 @@ class _MessagesView:
         self.text_open = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # --reasoning-parser: the thinking as a thinking block before the answer (index 0); its text left out
+        # with thinking.display "omitted", as Anthropic's API does
+        self.reasoning: Reasoning | None = None
+        self.show_thinking = True
+        self.thinking_open = False
+        self.thinking_done = False
+
+    @property
+    def text_index(self) -> int:
+        return 1 if self.thinking_open else 0
+
+    def thinking_block(self, text: str) -> dict[str, Any]:
+        # no signature: nothing here verifies a thought sent back (they are dropped from the prompt)
+        return {"type": "thinking", "thinking": text if self.show_thinking else "", "signature": ""}
+
+    def thinking_delta(self, piece: str) -> str:
+        out = ""
+        if not self.thinking_open:
+            self.thinking_open = True
+            out += self.sse("content_block_start", index=0, content_block=self.thinking_block(""))
+        if self.show_thinking:
+            out += self.sse(
+                "content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": piece}
+            )
+        return out
+
+    def close_thinking(self) -> str:
+        if not self.thinking_open or self.thinking_done:
+            return ""
+        self.thinking_done = True
+        return self.sse(
+            "content_block_delta", index=0, delta={"type": "signature_delta", "signature": ""}
+        ) + (self.sse("content_block_stop", index=0))
 
     def usage(self, num_output_tokens: int) -> Usage:
         return Usage(
@@ -126,10 +161,16 @@ class _MessagesView:
     def response(self, results: list[ChoiceResult]) -> MessageObject:
         (result,) = results
         self.num_cached_tokens = result.num_cached_tokens
-        content, calls = self.split(result.text)
-        blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [
-            self.tool_block(c) for c in calls
-        ]
+        text, thinking = result.text, []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.whole(text)
+            thinking = [self.thinking_block(thought)] if thought is not None else []
+        content, calls = self.split(text)
+        blocks = (
+            thinking
+            + ([{"type": "text", "text": content}] if content or not calls else [])
+            + [self.tool_block(c) for c in calls]
+        )
         stop_reason, stop_sequence = self.stop(result.finish_reason, result.stop_reason, calls)
         return MessageObject(
             id=self.id, model=self.state.served_model_name, content=blocks, stop_reason=stop_reason,  # type: ignore[arg-type]
@@ -159,18 +200,23 @@ class _MessagesView:
         return self.sse("message_start", message=message) + self.sse("ping")
 
     def text_delta(self, piece: str) -> str:
-        out = ""
+        out = self.close_thinking()  # the answer follows the thinking
+        at = self.text_index
         if not self.text_open:
             self.text_open = True
-            out += self.sse("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            out += self.sse("content_block_start", index=at, content_block={"type": "text", "text": ""})
         if piece:
-            out += self.sse("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+            out += self.sse("content_block_delta", index=at, delta={"type": "text_delta", "text": piece})
         return out
 
     def event(self, index: int, delta: RequestDelta) -> str | None:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         out = self.start()
-        self.text += delta.new_text
+        new_text = delta.new_text
+        if self.reasoning is not None:  # the thinking streams as a thinking block, the rest as below
+            thought, new_text = self.reasoning.piece(0, new_text, delta.finished)
+            out += self.thinking_delta(thought) if thought else ""
+        self.text += new_text
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         ready = len(self.text) if not self.tool_names else streamable_prefix(self.text, self.parser)
@@ -180,15 +226,15 @@ class _MessagesView:
         return out or None
 
     def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> list[str]:
-        out = [self.start()]
+        out = [self.start(), self.close_thinking()]
         content, calls = self.split(self.text)
         if not calls and (len(self.text) > self.sent or not self.text_open):
             out.append(self.text_delta(self.text[self.sent :]))
             self.sent = len(self.text)
-        index = 0
+        index = self.text_index
         if self.text_open:
-            out.append(self.sse("content_block_stop", index=0))
-            index = 1
+            out.append(self.sse("content_block_stop", index=index))
+            index += 1
         for call in calls:
             block = self.tool_block(call)
             out.append(self.sse("content_block_start", index=index, content_block={**block, "input": {}}))
@@ -202,7 +248,7 @@ class _MessagesView:
         out.append(self.sse("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                             usage=usage, **extra))  # fmt: skip
         out.append(self.sse("message_stop"))
-        return out
+        return [event for event in out if event]
 
     def error_events(self, error: ApiError) -> list[str]:
         body = error.anthropic_body()

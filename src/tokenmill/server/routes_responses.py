@@ -46,7 +46,7 @@ from tokenmill.server.protocol_responses import (
 )
 from tokenmill.server.respond import SSE_COMMENT_KEEPALIVE, respond
 from tokenmill.server.response_store import ResponseStoreError, StoredResponse
-from tokenmill.server.routes_chat import plan_chat
+from tokenmill.server.routes_chat import Reasoning, plan_chat, reasoning_for
 from tokenmill.server.tool_calls import parse as parse_tool_calls
 from tokenmill.server.tool_calls import streamable_prefix
 
@@ -99,7 +99,9 @@ async def begin_response(
         structured_param="tools" if chat.forces_tool_call else ("text.format" if plan.structured_param else None),
     )  # fmt: skip
     conversation = [item.model_dump(exclude_none=True) for item in history + req.input_items()]
-    return _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(conn)), group
+    view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(conn))
+    view.reasoning = reasoning_for(state, chat, plan.prompt_ids)
+    return view, group
 
 
 DROPPED_TOOLS_HEADER = "x-tokenmill-dropped-tools"  # built-in tools (web_search ...) left out as optional
@@ -247,6 +249,11 @@ class _ResponsesView:
         # called with the id and the whole conversation (input and output) of the finished response, stored or
         # not: a WebSocket keeps its store-less responses for its own continuations
         self.remember: Callable[[str, list[dict[str, Any]]], None] | None = None
+        # --reasoning-parser: the thinking as a reasoning item before the message (output_index 0)
+        self.reasoning: Reasoning | None = None
+        self.reasoning_id: str | None = None  # the reasoning item, once it has started
+        self.reasoning_text = ""
+        self.reasoning_done = False
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
 
@@ -283,6 +290,49 @@ class _ResponsesView:
             temperature=req.temperature, text={"format": fmt}, tool_choice=tool_choice,
             tools=[t for t in req.tools or [] if t.get("type") in ("function", "namespace")], top_p=req.top_p,
             top_logprobs=req.top_logprobs, usage=usage, user=req.user, metadata=req.metadata or {},
+        )  # fmt: skip
+
+    @property
+    def message_index(self) -> int:
+        return 0 if self.reasoning_id is None else 1
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        if self.reasoning_id is None:
+            self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
+    def reasoning_events(self, piece: str) -> str:
+        """``piece`` of the thinking as a reasoning_text delta, the reasoning item opened first if need be."""
+        out = ""
+        if self.reasoning_id is None:
+            out += self.sse(
+                "response.output_item.added", output_index=0, item=self.reasoning_item("", "in_progress")
+            )
+            out += self.sse("response.content_part.added", item_id=self.reasoning_id, output_index=0,
+                            content_index=0, part={"type": "reasoning_text", "text": ""})  # fmt: skip
+        self.reasoning_text += piece
+        return out + self.sse("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                              content_index=0, delta=piece)  # fmt: skip
+
+    def close_reasoning(self) -> str:
+        """The reasoning item's closing events (once, when the answer starts or the stream ends)."""
+        if self.reasoning_id is None or self.reasoning_done:
+            return ""
+        self.reasoning_done = True
+        item = self.reasoning_item(self.reasoning_text)
+        return (
+            self.sse("response.reasoning_text.done", item_id=self.reasoning_id, output_index=0, content_index=0,
+                     text=self.reasoning_text)
+            + self.sse("response.content_part.done", item_id=self.reasoning_id, output_index=0, content_index=0,
+                       part=item["content"][0])
+            + self.sse("response.output_item.done", output_index=0, item=item)
         )  # fmt: skip
 
     def message_item(
@@ -352,8 +402,12 @@ class _ResponsesView:
     def response(self, results: list[ChoiceResult]) -> ResponseObject:
         (result,) = results
         self.num_cached_tokens = result.num_cached_tokens
-        content, calls = self.split(result.text)
-        output: list[dict[str, Any]] = []
+        text, output = result.text, list[dict[str, Any]]()
+        if self.reasoning is not None:
+            thought, text = self.reasoning.whole(text)
+            if thought is not None:
+                output.append(self.reasoning_item(thought))
+        content, calls = self.split(text)
         if content or not calls:
             logprobs = self.logprobs(result.token_ids, result.logprobs) if self.req.wants_logprobs else []
             output.append(self.message_item(content, logprobs, item_status(result.finish_reason)))
@@ -374,15 +428,16 @@ class _ResponsesView:
 
     def text_events(self, piece: str, logprobs: list[dict[str, Any]]) -> str:
         """``piece`` as an output_text delta, the message item and its part opened first if need be."""
-        out = ""
+        out = self.close_reasoning()  # the answer follows the thinking
+        at = self.message_index
         if self.message_id is None:
             item = self.message_item("", [], status="in_progress")
-            out += self.sse("response.output_item.added", output_index=0, item=item)
+            out += self.sse("response.output_item.added", output_index=at, item=item)
             part = {"type": "output_text", "text": "", "annotations": []}
-            out += self.sse("response.content_part.added", item_id=self.message_id, output_index=0,
+            out += self.sse("response.content_part.added", item_id=self.message_id, output_index=at,
                             content_index=0, part=part)  # fmt: skip
         if piece or logprobs:
-            out += self.sse("response.output_text.delta", item_id=self.message_id, output_index=0,
+            out += self.sse("response.output_text.delta", item_id=self.message_id, output_index=at,
                             content_index=0, delta=piece, logprobs=logprobs)  # fmt: skip
         return out
 
@@ -390,25 +445,32 @@ class _ResponsesView:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         self.token_ids.extend(delta.new_token_ids)
         self.logprob_entries.extend(delta.new_logprobs or [])
-        self.text += delta.new_text
+        thinking, new_text = "", delta.new_text
+        if self.reasoning is not None:  # the thinking streams as the reasoning item, the rest as below
+            thought, new_text = self.reasoning.piece(0, new_text, delta.finished)
+            thinking = self.reasoning_events(thought) if thought else ""
+        self.text += new_text
         if delta.finished:
             self.finish_reason = delta.finish_reason
         ready = len(self.text) if not self.tool_names else streamable_prefix(self.text, self.parser)
         if ready <= self.sent:
-            return None
+            return thinking or None
         piece, self.sent = self.text[self.sent : ready], ready
         logprobs = []
         if self.req.wants_logprobs and not self.tool_names:
             logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs or [])
-        return self.text_events(piece, logprobs)
+        return thinking + self.text_events(piece, logprobs)
 
     def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> list[str]:
         content, calls = self.split(self.text)
-        out = []
+        out = [closing] if (closing := self.close_reasoning()) else []
         if not calls and len(self.text) > self.sent or (not calls and self.message_id is None):
             out.append(self.text_events(self.text[self.sent :], []))
             self.sent = len(self.text)
-        output: list[dict[str, Any]] = []
+        output: list[dict[str, Any]] = (
+            [] if self.reasoning_id is None else [self.reasoning_item(self.reasoning_text)]
+        )
+        at = self.message_index
         if self.message_id is not None:
             streamed = self.text[: self.sent]
             text = content if not calls else streamed.rstrip()
@@ -418,11 +480,11 @@ class _ResponsesView:
                 else []
             )
             item = self.message_item(text, logprobs, item_status(self.finish_reason))
-            out.append(self.sse("response.output_text.done", item_id=self.message_id, output_index=0,
+            out.append(self.sse("response.output_text.done", item_id=self.message_id, output_index=at,
                                 content_index=0, text=text, logprobs=logprobs))  # fmt: skip
-            out.append(self.sse("response.content_part.done", item_id=self.message_id, output_index=0,
+            out.append(self.sse("response.content_part.done", item_id=self.message_id, output_index=at,
                                 content_index=0, part=item["content"][0]))  # fmt: skip
-            out.append(self.sse("response.output_item.done", output_index=0, item=item))
+            out.append(self.sse("response.output_item.done", output_index=at, item=item))
             output.append(item)
         for call in calls:
             index = len(output)
