@@ -149,6 +149,8 @@ def _run_models(args: argparse.Namespace) -> int:
     for e, path in models.list_models():
         where = str(path) if path is not None else f"not pulled (tokenmill pull {e.name})"
         print(f"{e.name:32} {e.license:20} {where}\n{'':32} {e.description}")
+        if e.ollama_names:
+            print(f"{'':32} Ollama: {', '.join(e.ollama_names)}")
     return 0
 
 

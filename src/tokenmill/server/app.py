@@ -76,6 +76,7 @@ def build_app(
         routes_embeddings,
         routes_info,
         routes_messages,
+        routes_ollama,
         routes_responses,
         routes_responses_socket,
         routes_tokenize,
@@ -116,6 +117,7 @@ def build_app(
     app.include_router(routes_embeddings.router)
     app.include_router(routes_info.router)
     app.include_router(routes_tokenize.router)
+    app.include_router(routes_ollama.router)
     _add_error_handlers(app)
     app.add_middleware(TraceContextMiddleware)
     if state.api_keys:

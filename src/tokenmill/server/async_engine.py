@@ -203,6 +203,8 @@ class AsyncEngine:
         self.arithmetic: str = engine.arithmetic
         self.is_pooling: bool = bool(getattr(engine, "is_pooling", False))  # an embedding model
         self.embedding_size: int | None = int(engine.loaded.config.hidden_size) if self.is_pooling else None
+        loaded = getattr(engine, "loaded", None)
+        self.facts = ModelFacts.of(loaded) if loaded is not None else None
         self.clock: Callable[[], float] = getattr(engine, "clock", time.perf_counter)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics(self.model_name)
@@ -607,6 +609,51 @@ class AsyncEngine:
             alive=alive and self._error is None,
             num_failed_steps=self.num_failed_steps,
         )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the served model is, for the routes that describe it (Ollama's ``/api/show``, ``/api/tags``)."""
+
+    source: str  # the file or directory loaded
+    family: str  # the config's model_type
+    hidden_size: int
+    num_layers: int
+    num_parameters: int  # the decoder's matmuls, the token embedding and an untied head
+    file_bytes: int
+    file_type: str  # the GGUF's own quantization name (Q4_K_M ...), or the tensors' dtype
+
+    @classmethod
+    def of(cls, loaded: Any) -> ModelFacts:
+        from pathlib import Path
+
+        from tokenmill.cost_model import ModelShape
+
+        config = loaded.config
+        shape = ModelShape.from_config(config)
+        tied = getattr(config, "tie_word_embeddings", True)
+        count = shape.matmul_params + shape.lm_head_params * (1 if tied else 2)
+        path = Path(loaded.source)
+        size = (
+            path.stat().st_size
+            if path.is_file()
+            else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        )
+        return cls(
+            source=str(path), family=str(config.model_type), hidden_size=int(config.hidden_size),
+            num_layers=int(config.num_hidden_layers), num_parameters=int(count), file_bytes=int(size),
+            file_type=_file_type(path),
+        )  # fmt: skip
+
+
+def _file_type(path: Any) -> str:
+    """A GGUF's quantization as its name says it (``...-q4_k_m.gguf``: Q4_K_M), else its format."""
+    import re
+
+    match = re.search(r"[.-](q\d+_[0-9a-z_]+|f16|f32|bf16)\.gguf$", str(path).lower())
+    if match:
+        return match.group(1).upper()
+    return "GGUF" if str(path).endswith(".gguf") else "F32"
 
 
 @dataclass

@@ -208,19 +208,26 @@ def _add_ray_arguments(r: Any) -> None:
 
 
 def model_aliases(source: str, file_name: str, asked: str | None) -> list[str]:
-    """Names a request may use besides the served one: the model's own (its file's or directory's) and the name
-    ``tokenmill pull`` knows it by (``all-minilm-l6-v2`` for the directory ``all-MiniLM-L6-v2``)."""
+    """Names a request may use besides the served one: the model's own (its file's or directory's), the name
+    ``tokenmill pull`` knows it by (``all-minilm-l6-v2`` for the directory ``all-MiniLM-L6-v2``) and the names
+    Ollama's library gives it (``qwen2.5-coder:1.5b``, ``smollm2:135m``)."""
     from pathlib import Path
 
     from tokenmill import models
+    from tokenmill.model.embedded import embedded_model_path
 
     names = [file_name]
-    if asked in models.CATALOGUE:
+    if asked is not None and models.catalogue_name(asked) in models.CATALOGUE:
         names.append(asked)
-    for name in models.CATALOGUE:
+    for name, e in models.CATALOGUE.items():
         path = models.pulled_path(name)
         if path is not None and Path(source).resolve() == path.resolve():
-            names.append(name)
+            names.extend((name, *e.ollama_names))
+    try:
+        if Path(source).resolve() == embedded_model_path().resolve():
+            names.extend(models.EMBEDDED_OLLAMA_NAMES)
+    except (OSError, ValueError):  # no embedded model installed
+        pass
     return list(dict.fromkeys(names))
 
 

@@ -79,6 +79,26 @@ async def create_embeddings(request: Request) -> Response:
             f"dimensions: {state.served_model_name} makes {size}-dimensional embeddings and does not support "
             f"others (got {req.dimensions})", param="dimensions",
         )  # fmt: skip
+    embedded = await embed_inputs(request, state, req)
+    if isinstance(embedded, Response):
+        return embedded  # the client left
+    vectors, num_tokens = embedded
+    data = []
+    for index, vector in enumerate(vectors):
+        encoded: Any = vector
+        if req.encoding_format == "base64":
+            encoded = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    return JSONResponse({
+        "object": "list", "data": data, "model": state.served_model_name,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    })  # fmt: skip
+
+
+async def embed_inputs(
+    request: Request, state: ServerState, req: EmbeddingRequest
+) -> tuple[list[list[float]], int] | Response:
+    """Each input's vector, in order, and the tokens they took; a 499 response when the client left first."""
     try:
         token_lists = await tokenize_off_loop(_token_lists, state, req)
     except ParamError as exc:
@@ -99,16 +119,5 @@ async def create_embeddings(request: Request) -> Response:
     group = await submit(state, [(ids, params) for ids in token_lists], f"embd-{uuid.uuid4().hex}")
     results = await wait_for_results(request, state, group)
     if isinstance(results, Response):
-        return results  # the client left
-    data = []
-    for index, result in enumerate(results):
-        vector = result.embedding or []
-        encoded: Any = vector
-        if req.encoding_format == "base64":
-            encoded = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-        data.append({"object": "embedding", "index": index, "embedding": encoded})
-    num_tokens = sum(len(ids) for ids in token_lists)
-    return JSONResponse({
-        "object": "list", "data": data, "model": state.served_model_name,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    })  # fmt: skip
+        return results
+    return [r.embedding or [] for r in results], sum(len(ids) for ids in token_lists)
