@@ -44,7 +44,8 @@ def start_proxy(upstream: str, port: int, log_path: Path) -> None:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import StreamingResponse
-    from starlette.routing import Route
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.websockets import WebSocket
 
     client = httpx.AsyncClient(base_url=upstream, timeout=None)
     lock = threading.Lock()
@@ -82,8 +83,42 @@ def start_proxy(upstream: str, port: int, log_path: Path) -> None:
         }
         return StreamingResponse(chunks(), status_code=response.status_code, headers=kept)
 
+    async def forward_socket(socket: WebSocket) -> None:
+        """A WebSocket (the Responses API's WebSocket mode) relayed both ways; each client message logged as a
+        request on ``ws:<path>`` (the server's answers are events, not statuses: logged as 101)."""
+        import websockets.asyncio.client
+
+        headers = {k: v for k, v in socket.headers.items() if k.lower() in ("authorization", "openai-beta")}
+        url = upstream.replace("http://", "ws://") + socket.url.path
+        try:
+            upstream_socket = await websockets.asyncio.client.connect(url, additional_headers=headers)
+        except websockets.exceptions.InvalidStatus as exc:
+            await socket.close(code=1008, reason=f"upstream answered {exc.response.status_code}")
+            return
+        await socket.accept()
+
+        async def client_to_server() -> None:
+            while True:
+                text = await socket.receive_text()
+                with lock, log_path.open("a") as f:
+                    entry = {"t": time.time(), "method": "WS", "path": socket.url.path, "status": 101,
+                             "body": json.loads(text)}  # fmt: skip
+                    f.write(json.dumps(entry) + "\n")
+                await upstream_socket.send(text)
+
+        async def server_to_client() -> None:
+            async for message in upstream_socket:
+                await socket.send_text(message if isinstance(message, str) else message.decode())
+
+        tasks = [asyncio.ensure_future(client_to_server()), asyncio.ensure_future(server_to_client())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        await upstream_socket.close()
+
     methods = ["GET", "POST", "DELETE", "PUT", "HEAD", "OPTIONS"]
-    app = Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
+    app = Starlette(routes=[Route("/{path:path}", forward, methods=methods),
+                            WebSocketRoute("/{path:path}", forward_socket)])  # fmt: skip
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     threading.Thread(target=lambda: asyncio.run(uvicorn.Server(config).serve()), daemon=True).start()
 
@@ -169,8 +204,9 @@ def write_fixture(entries: list[dict[str, Any]], client: str, path: Path) -> Non
     """The POST requests a client sent, shortened, one JSON line each: what the default test run replays."""
     with path.open("w") as f:
         for e in entries:
-            if e["method"] == "POST" and isinstance(e.get("body"), dict):
-                line = {"client": client, "path": e["path"], "body": shortened(e["body"])}
+            if e["method"] in ("POST", "WS") and isinstance(e.get("body"), dict):
+                path = e["path"] if e["method"] == "POST" else f"ws:{e['path']}"
+                line = {"client": client, "path": path, "body": shortened(e["body"])}
                 f.write(json.dumps(line, sort_keys=True) + "\n")
 
 

@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | info | pull | models | bench batching | bench serve | bench multiturn`."""
+"""`tokenmill generate | chat | run | serve | info | pull | models | bench batching | bench serve | bench multiturn`."""
 
 from __future__ import annotations
 
@@ -136,6 +136,33 @@ def _run_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_run(args: argparse.Namespace) -> int:
+    """Ollama's ``run``: NAME pulled (with its progress bar) if it is a catalogue model not yet here, then the
+    chat; the embedded model by its Ollama name; a path as it is."""
+    from tokenmill import models
+
+    name = models.catalogue_name(args.name)
+    if name in models.CATALOGUE:
+        if models.pulled_path(name) is None:
+            try:
+                models.pull(name, progress=True)
+            except models.PullError as exc:
+                print(f"tokenmill: pull failed: {exc}", file=sys.stderr)
+                return 1
+        args.model = name
+    elif args.name in models.EMBEDDED_OLLAMA_NAMES:
+        args.model = None  # the embedded model, the engine's default
+    else:
+        from pathlib import Path
+
+        if not Path(args.name).expanduser().exists():
+            known = ", ".join([*models.CATALOGUE, *models.EMBEDDED_OLLAMA_NAMES])
+            raise ValueError(f"unknown model {args.name!r}: one of {known}, or a path")
+        args.model = args.name
+    args.message = args.prompt
+    return _run_generate(args, chat=True)
+
+
 def _run_models(args: argparse.Namespace) -> int:
     from tokenmill import models
 
@@ -170,17 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk to the model in the terminal (no message: an interactive session; a message: one answer)",
     )
     chat.add_argument("message", nargs="?", default=None, help="answer this once and exit")
-    chat.add_argument("--system", default=None, help="an optional system message")
-    chat.add_argument(
-        "--stats", action="store_true", help="after each answer: tokens, time to first token, tokens/s"
-    )
-    chat.add_argument(
-        "--show-prompt", action="store_true", help="print each rendered prompt (to stderr) first"
-    )
-    _add_sampling_arguments(chat)
-    chat.add_argument("-v", "--verbose", action="store_true")
-    add_engine_arguments(chat)
+    _add_chat_arguments(chat)
     chat.set_defaults(func=lambda a: _run_generate(a, chat=True))
+
+    run = sub.add_parser(
+        "run", help="pull a model if it is missing, then talk to it (no prompt: an interactive session)"
+    )
+    run.add_argument(
+        "name",
+        help="a model of `tokenmill models`, by its name or Ollama's (qwen2.5-coder:1.5b, smollm2:135m)",
+    )
+    run.add_argument("prompt", nargs="?", default=None, help="answer this once and exit")
+    _add_chat_arguments(run)
+    run.set_defaults(func=_run_run)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     from tokenmill.server.launch import add_serve_arguments
@@ -192,6 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     )
     return parser
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, help="an optional system message")
+    parser.add_argument(
+        "--stats", action="store_true", help="after each answer: tokens, time to first token, tokens/s"
+    )
+    parser.add_argument(
+        "--show-prompt", action="store_true", help="print each rendered prompt (to stderr) first"
+    )
+    _add_sampling_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_engine_arguments(parser)
 
 
 def _add_model_commands(sub: Any) -> None:

@@ -186,3 +186,35 @@ def test_a_directory_model_is_pulled_file_by_file_and_verified(
     path = models.pull("fake-dir", progress=False, log=lambda s: None, download=download)
     assert path.is_dir() and (path / "1_Pooling" / "config.json").read_bytes() == b"{}"
     assert models.resolve("fake-dir") == str(path)
+
+
+def test_ollama_names_resolve_to_the_catalogue(fake: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert models.catalogue_name("qwen2.5-coder:1.5b") == "qwen2.5-coder-1.5b-instruct"
+    assert models.catalogue_name("all-minilm") == "all-minilm-l6-v2"
+    assert models.catalogue_name("llama3:8b") == "llama3:8b"  # not ours: unchanged
+    assert models.entry("qwen2.5-coder:0.5b").name == "qwen2.5-coder-0.5b-instruct"
+    assert main(["models"]) == 0
+    assert "Ollama: qwen2.5-coder:1.5b" in capsys.readouterr().out
+
+
+def test_run_pulls_a_missing_model_first(fake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tokenmill run NAME``: a catalogue model not here is pulled (with progress) before the chat starts; one
+    already here is not pulled again; an unknown name is an error naming the choices."""
+    from tokenmill import cli
+
+    pulls: list[tuple[str, bool]] = []
+    chats: list[tuple[str | None, str | None]] = []
+    monkeypatch.setattr(models, "pull", lambda name, progress=True, **_: pulls.append((name, progress)))
+    monkeypatch.setattr(
+        cli, "_run_generate", lambda args, chat: chats.append((args.model, args.message)) or 0
+    )
+    assert main(["run", "fake-model", "Hello?"]) == 0
+    assert pulls == [("fake-model", True)] and chats == [("fake-model", "Hello?")]
+    monkeypatch.setattr(models, "pulled_path", lambda name: fake / "here.gguf")
+    assert main(["run", "fake-model"]) == 0
+    assert len(pulls) == 1 and chats[-1] == (
+        "fake-model",
+        None,
+    )  # present: no second pull; no prompt: a session
+    assert main(["run", "smollm2:135m", "Hi"]) == 0 and chats[-1] == (None, "Hi")  # the embedded model
+    assert main(["run", "nope:1b"]) == 2
