@@ -240,8 +240,9 @@ def run_agent(agent: str, args: argparse.Namespace, proxy: str) -> dict[str, Any
     entries = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     if args.write_fixtures:
         version = subprocess.run([command[0], "--version"], capture_output=True, text=True, env=env).stdout
-        write_fixture(entries, f"{agent} {version.split()[0] if version else '?'}",
-                      Path(args.write_fixtures) / f"{agent}.jsonl")  # fmt: skip
+        client = {"claude": "claude-code", "codex": "codex-cli"}.get(agent, agent)
+        number = next((w for w in version.split() if w[:1].isdigit()), "?")  # "2.1.332 (Claude Code)" ...
+        write_fixture(entries, f"{client} {number}", Path(args.write_fixtures) / f"{agent}.jsonl")
     statuses: dict[str, int] = {}
     for e in entries:
         statuses[str(e["status"])] = statuses.get(str(e["status"]), 0) + 1

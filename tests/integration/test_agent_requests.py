@@ -52,8 +52,27 @@ def _app(make_engine: Any, max_model_len: int, **app_args: Any) -> Iterator[http
     async_engine = AsyncEngine(make_engine(max_model_len=max_model_len, num_kv_blocks=640), max_queue=16)
     async_engine.start()
     app = build_app(async_engine, "m", max_body_bytes=16 << 20, **app_args)
-    yield httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=300)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=300)
+    client.app = app  # type: ignore[attr-defined]  # for the WebSocket requests (Starlette's test client)
+    yield client
     async_engine.stop()
+
+
+def _socket_turn(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """One ``response.create`` over the app's WebSocket: its events up to the last."""
+    from starlette.testclient import TestClient
+
+    with TestClient(client.app).websocket_connect(path) as ws:  # type: ignore[attr-defined]
+        ws.send_text(json.dumps(body))
+        events = [ws.receive_json()]
+        while events[-1]["type"] not in (
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+            "error",
+        ):
+            events.append(ws.receive_json())
+    return events
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +103,8 @@ def _events(r: httpx.Response) -> list[str]:
 def test_the_fixtures_cover_the_three_clients() -> None:
     clients = {c.split()[0] for _, c, _, _ in CAPTURED}
     assert clients == {"claude-code", "codex-cli", "opencode"}
-    assert {p for _, _, p, _ in CAPTURED} == {"/v1/messages", "/v1/responses", "/v1/chat/completions"}
+    assert {p for _, _, p, _ in CAPTURED} >= {"/v1/messages", "/v1/chat/completions"}
+    assert {p for _, _, p, _ in CAPTURED} & {"/v1/responses", "ws:/v1/responses"}
     # no string value longer than the placeholder bound survives: no client's prompt text or identifiers
 
     def values(x: Any) -> Iterator[str]:
@@ -105,10 +125,15 @@ def test_captured_request(
     client: httpx.AsyncClient, name: str, agent: str, path: str, body: dict[str, Any]
 ) -> None:
     body = {**body, "model": "m"}
-    if path == "/v1/responses":
+    if path.endswith("/v1/responses"):
         body["max_output_tokens"] = 8
     else:
         body["max_tokens"] = 8
+    if path.startswith("ws:"):  # Codex CLI's first transport: the Responses API's WebSocket mode
+        events = _socket_turn(client, path.removeprefix("ws:"), body)
+        assert events[0]["type"] == "response.created", events[-1]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+        return
     r = _post(client, path, body)
     if path == "/v1/messages":
         deferred = [i for i, t in enumerate(body.get("tools", [])) if t.get("defer_loading")]

@@ -76,6 +76,21 @@ def test_turns_on_one_socket(client: openai.OpenAI) -> None:
         client.responses.retrieve(done.id)
 
 
+def test_a_warm_up_prefills_and_the_next_turn_reads_the_cache(client: openai.OpenAI) -> None:
+    """``generate: false`` (Codex CLI's first message): the prompt's prefill only, no output; the same prompt
+    next is served from the prefix cache."""
+    model = client.models.list().data[0].id
+    prompt = "You are a careful assistant. " * 12 + "Say one word."
+    with client.responses.connect() as conn:
+        warm = _turn(conn, model=model, input=prompt, generate=False, store=False)
+        assert warm[-1].type == "response.completed", [e.type for e in warm]
+        assert warm[-1].response.output == [] and warm[-1].response.usage.output_tokens == 0
+        assert not any(e.type == "response.output_text.delta" for e in warm)
+        real = _turn(conn, model=model, input=prompt, max_output_tokens=4, store=False)
+        usage = real[-1].response.usage
+        assert usage.input_tokens_details.cached_tokens >= 16 * (usage.input_tokens // 16) - 16
+
+
 def test_the_key_is_checked_at_the_handshake(server: ServerProcess) -> None:
     url = f"ws://127.0.0.1:{server.port}/v1/responses"
     with pytest.raises(websockets.exceptions.InvalidStatus) as info:

@@ -44,7 +44,9 @@ from tokenmill.server.common import (
 from tokenmill.server.observers import current_trace_headers
 from tokenmill.server.response_store import ResponseStore
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/"}
+)  # "/": the chat page (it holds no data; it asks for the key)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
@@ -64,6 +66,7 @@ def build_app(
     max_tokens_past_context: str = "cap",
     reasoning_parser: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
+    ui: bool = True,
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
@@ -118,6 +121,8 @@ def build_app(
     app.include_router(routes_info.router)
     app.include_router(routes_tokenize.router)
     app.include_router(routes_ollama.router)
+    if ui:
+        app.include_router(routes_info.ui_router)
     _add_error_handlers(app)
     app.add_middleware(TraceContextMiddleware)
     if state.api_keys:

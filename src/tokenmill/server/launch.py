@@ -100,6 +100,7 @@ def _add_http_arguments(s: Any) -> None:
         help="variables for the chat template under each request's chat_template_kwargs, e.g. '{\"enable_thinking\": "
         "false}'",
     )
+    s.add_argument("--no-ui", dest="ui", action="store_false", help="no chat page at / (the API routes only)")
     _add_observability_arguments(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
@@ -341,6 +342,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         model_aliases=model_aliases(engine.loaded.source, engine.model_name, args.model),
         max_tokens_past_context=args.max_tokens_past_context,
         reasoning_parser=args.reasoning_parser,
+        ui=args.ui,
         default_chat_template_kwargs=_json_object(
             args.default_chat_template_kwargs, "--default-chat-template-kwargs"
         ),

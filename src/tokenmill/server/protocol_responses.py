@@ -269,6 +269,9 @@ class ResponsesRequest(_Request):
     truncation: Literal["disabled"] | None = None
     reasoning: Reasoning | None = None
     background: StrictBool | None = None  # only false (0 is not false)
+    # false: prefill only, to warm the prefix cache for the next turn (the WebSocket mode's warm-up; Codex CLI
+    # sends one at start): a response with no output
+    generate: StrictBool | None = None
     max_tool_calls: None = None  # a cap on built-in tool calls: there are none here
     prompt: None = None  # stored prompt templates live on OpenAI's side
     conversation: None = None  # the Conversations API is not served

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 import tokenmill
 from tokenmill.server.common import ServerState, check_model, get_state, unavailable
@@ -52,3 +52,15 @@ async def model(request: Request, model_id: str) -> Response:
 @router.get("/version")
 async def version() -> Response:
     return JSONResponse({"version": tokenmill.__version__})
+
+
+ui_router = APIRouter()  # the chat page, unless the server runs with --no-ui
+
+
+@ui_router.get("/", include_in_schema=False)
+async def chat_page() -> Response:
+    """A chat page in the browser over this server's own routes (``static/chat.html``: no CDN, no build step)."""
+    from importlib import resources
+
+    page = resources.files("tokenmill.server").joinpath("static/chat.html").read_text(encoding="utf-8")
+    return HTMLResponse(page, headers={"Cache-Control": "no-cache"})

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter
@@ -94,6 +95,10 @@ async def begin_response(
     except ParamError as exc:
         raise _renamed(exc) from None
     response_id = f"resp_{uuid.uuid4().hex}"
+    if req.generate is False:  # a warm-up: the prompt's prefill only, its blocks left in the prefix cache
+        plan.engine_prompts = [
+            (ids, replace(p, max_tokens=0, structured_outputs=None)) for ids, p in plan.engine_prompts
+        ]
     group = await submit(
         state, plan.engine_prompts, response_id, req.cache_salt,
         structured_param="tools" if chat.forces_tool_call else ("text.format" if plan.structured_param else None),
@@ -408,11 +413,12 @@ class _ResponsesView:
             if thought is not None:
                 output.append(self.reasoning_item(thought))
         content, calls = self.split(text)
-        if content or not calls:
+        if (content or not calls) and self.req.generate is not False:
             logprobs = self.logprobs(result.token_ids, result.logprobs) if self.req.wants_logprobs else []
             output.append(self.message_item(content, logprobs, item_status(result.finish_reason)))
         output.extend(self.call_item(c) for c in calls)
-        response = self.response_object("completed", output, len(result.token_ids), result.finish_reason)
+        finish = None if self.req.generate is False else result.finish_reason
+        response = self.response_object("completed", output, len(result.token_ids), finish)
         self.store(response)
         return response
 
@@ -464,7 +470,10 @@ class _ResponsesView:
     def closing_events(self, num_completion_tokens: int, metrics: Any = None) -> list[str]:
         content, calls = self.split(self.text)
         out = [closing] if (closing := self.close_reasoning()) else []
-        if not calls and len(self.text) > self.sent or (not calls and self.message_id is None):
+        warming = self.req.generate is False  # a warm-up makes no output item
+        if not warming and (
+            not calls and len(self.text) > self.sent or (not calls and self.message_id is None)
+        ):
             out.append(self.text_events(self.text[self.sent :], []))
             self.sent = len(self.text)
         output: list[dict[str, Any]] = (
@@ -497,7 +506,8 @@ class _ResponsesView:
                                 output_index=index, name=self.call_name(call), arguments=call.arguments))  # fmt: skip
             out.append(self.sse("response.output_item.done", output_index=index, item=item))
             output.append(item)
-        response = self.response_object("completed", output, num_completion_tokens, self.finish_reason)
+        finish = None if warming else self.finish_reason  # a warm-up ends complete at its 0 tokens
+        response = self.response_object("completed", output, num_completion_tokens, finish)
         self.store(response)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         body = response.model_dump()

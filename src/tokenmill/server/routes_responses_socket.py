@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -26,6 +27,7 @@ from tokenmill.server.respond import events
 from tokenmill.server.routes_responses import begin_response
 
 router = APIRouter()
+logger = logging.getLogger("tokenmill.server")
 
 MAX_REMEMBERED = 16  # store-less responses a socket keeps for its own continuations
 
@@ -50,6 +52,8 @@ async def responses_socket(ws: WebSocket) -> None:
                     async for event in turn:
                         await ws.send_text(event)
             except ApiError as exc:
+                logger.info("%s (WebSocket) -> %d%s: %s", ws.url.path, exc.status_code,
+                            f" ({exc.info.param})" if exc.info.param else "", exc.info.message)  # fmt: skip
                 error = {"type": "error", "code": exc.info.code or exc.info.type, "message": exc.info.message,
                          "param": exc.info.param, "sequence_number": sequence_number}  # fmt: skip
                 sequence_number += 1

@@ -1,0 +1,78 @@
+"""The chat page at ``/``: served from the package (no CDN: every script and style inline), open without the
+API key (it asks for one, and the API behind it stays closed), off with ``--no-ui``; and, in a real browser
+(Debian's chromium driven by Playwright, slow), a conversation: the model picker filled from ``/v1/models``, an
+answer streamed in, the key asked for once, the conversation kept across a reload."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from serverproc import ServerProcess
+
+KEY = "sk-page"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--api-key", KEY).start()
+    yield proc
+    proc.stop()
+
+
+def test_the_page_is_served_whole_and_open(server: ServerProcess) -> None:
+    r = httpx.get(server.base_url + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    for element in (
+        'id="model"',
+        'id="temperature"',
+        'id="max_tokens"',
+        'id="system"',
+        'id="stop"',
+        'id="send"',
+    ):
+        assert element in page
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=|https?://(?!127\.)", page.split("<script>")[0])
+    assert "localStorage" in page and "/v1/chat/completions" in page and "Authorization" in page
+    assert httpx.get(server.base_url + "/v1/models").status_code == 401  # the API behind it stays closed
+
+
+def test_no_ui() -> None:
+    proc = ServerProcess("--no-ui").start()
+    try:
+        assert httpx.get(proc.base_url + "/").status_code in (404, 405)  # no page (HEAD / is answered)
+        assert httpx.head(proc.base_url + "/").status_code == 200  # Ollama's liveness check stays
+    finally:
+        proc.stop()
+
+
+@pytest.mark.slow
+def test_a_conversation_in_a_browser(server: ServerProcess) -> None:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.on("dialog", lambda dialog: dialog.accept(KEY))  # the key, asked for once
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        assert page.locator("#model option").first.inner_text() == "SmolLM2-135M-Instruct"
+        page.fill("#max_tokens", "12")
+        page.fill("#input", "Name a colour.")
+        page.click("#send")
+        page.wait_for_function("document.querySelector('.msg.assistant .stats') !== null", timeout=60_000)
+        answer = page.locator(".msg.assistant").first.inner_text()
+        assert "first token" in answer and "tokens/s" in answer
+        assert page.locator(".msg.assistant").first.inner_text().split("first token")[0].strip()  # some text
+        page.reload()  # kept in the browser's storage, the key too
+        page.wait_for_selector(".msg.user")
+        assert page.locator(".msg.user").first.inner_text() == "Name a colour."
+        assert page.locator(".conv").count() == 1
+        browser.close()
