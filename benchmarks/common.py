@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -122,8 +123,11 @@ def cpu_name() -> str:
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())  # type: ignore[no-any-return]
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:  # the server's own words, not only its status
+        raise RuntimeError(f"{url}: {exc.code} {exc.read()[:500].decode(errors='replace')}") from None
 
 
 @contextlib.contextmanager

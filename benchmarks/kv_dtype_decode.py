@@ -13,7 +13,7 @@ median step is printed as tokens/s with the KV bytes it read. The weights: the d
 
 With ``--llama-server PATH`` (the prebuilt one of ``../shared/PEERS.md``) llama.cpp's server runs the same GGUF
 after tokenmill, one slot with a context of the deepest depth, as its user gets it (f16 KV): per depth a prompt
-of that many random token ids, then ``--llama-tokens`` decoded tokens, its own ``predicted_per_second``; the
+of that many tokens of Python source, then ``--llama-tokens`` decoded tokens, its own ``predicted_per_second``; the
 last column is tokenmill's default KV dtype over it.
 """
 
@@ -56,20 +56,39 @@ def step_times(model, depth: int, dtype: torch.dtype, steps: int, block_size: in
     return times[2:]
 
 
-def llama_server_rates(
-    binary: str, gguf: str, depths: list[int], num_tokens: int, vocab_size: int
-) -> dict[int, float]:
+def code_tokens(gguf: str, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` tokens of Python's standard library source: a prompt the model continues as code
+    (random ids lead llama-server's output parser to refuse what the model writes after them)."""
+    import argparse as m1
+    import collections as m2
+    import dataclasses as m3
+    import email.message as m4
+    import inspect
+    import pathlib as m5
+    import textwrap as m6
+    import typing as m7
+
+    from tokenmill.tokenizer import Tokenizer
+
+    text = "\n".join(inspect.getsource(m) for m in (m1, m2, m3, m4, m5, m6, m7))
+    ids = list(Tokenizer.from_gguf(gguf).encode(text))
+    if len(ids) < num_tokens:
+        raise ValueError(f"the source text holds {len(ids)} tokens, fewer than {num_tokens}")
+    return ids[:num_tokens]
+
+
+def llama_server_rates(binary: str, gguf: str, depths: list[int], num_tokens: int) -> dict[int, float]:
     """llama-server's decode rate after a prompt of each depth (one slot, context for the deepest)."""
     from benchmarks.common import llama_server, post_json
 
-    rng = random.Random(0)
     out = {}
     with llama_server(binary, gguf, "-np", "1", "-c", str(max(depths) + num_tokens + 64)) as url:
         body = {"n_predict": 4, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-        post_json(url + "/completion", {**body, "prompt": [rng.randrange(100, vocab_size - 1000)] * 16})
+        post_json(url + "/completion", {**body, "prompt": code_tokens(gguf, 16)})
         for depth in depths:
-            prompt = [rng.randrange(100, vocab_size - 1000) for _ in range(depth)]
-            reply = post_json(url + "/completion", {**body, "prompt": prompt, "n_predict": num_tokens})
+            reply = post_json(
+                url + "/completion", {**body, "prompt": code_tokens(gguf, depth), "n_predict": num_tokens}
+            )
             assert reply["tokens_predicted"] == num_tokens, reply["tokens_predicted"]
             out[depth] = float(reply["timings"]["predicted_per_second"])
             print(f"  llama-server at {depth}: prefill {reply['timings']['prompt_per_second']:.1f} tok/s, "
@@ -109,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{depth:>8} " + " ".join(f"{c:>22}" for c in cells), flush=True)
     if args.llama_server:
         default = torch.float16 if torch.float16 in dtypes else dtypes[0]
-        peer = llama_server_rates(
-            args.llama_server, loaded.source, depths, args.llama_tokens, config.vocab_size
-        )
+        peer = llama_server_rates(args.llama_server, loaded.source, depths, args.llama_tokens)
         print(
             f"llama-server (f16 KV, {args.llama_tokens} tokens after the prompt) beside tokenmill's {default}:"
         )

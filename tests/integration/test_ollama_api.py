@@ -5,8 +5,11 @@ embeddings from an embedding model, and the refusals (images, an option not hono
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import ollama
@@ -154,5 +157,144 @@ def test_embeddings_from_an_embedding_model() -> None:
             proc.base_url + "/api/embeddings", json={"model": "all-minilm:22m", "prompt": "a cat"}
         )
         assert old.json()["embedding"] == pytest.approx(r.embeddings[0], abs=1e-5)
+    finally:
+        proc.stop()
+
+
+def test_pull_reports_progress_as_ollama_does(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/api/pull`` runs ``tokenmill pull`` (here a stand-in that writes three pieces) and streams Ollama's
+    progress objects; an unknown name is a 404; ``stream: false`` gives the last object."""
+    from tokenmill import models
+    from tokenmill.server.app import build_app
+    from tokenmill.server.async_engine import AsyncEngine
+
+    pulled: list[str] = []
+
+    def fake_pull(name: str, *, on_bytes: Any = None, **_: Any) -> Any:
+        pulled.append(name)
+        for n in (100, 200, 300):
+            on_bytes(n)
+
+    monkeypatch.setattr(models, "pull", fake_pull)
+    async_engine = AsyncEngine(make_engine(max_model_len=256), max_queue=4)
+    async_engine.start()
+    try:
+        app = build_app(async_engine, "m")
+
+        async def run() -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
+                r = await c.post("/api/pull", json={"model": "qwen2.5-coder:0.5b"})
+                lines = [json.loads(line) for line in r.text.splitlines()]
+                whole = (await c.post("/api/pull", json={"model": "all-minilm", "stream": False})).json()
+                missing = await c.post("/api/pull", json={"model": "llama3:8b"})
+                return lines, whole, missing.status_code
+
+        lines, whole, missing = asyncio.run(run())
+    finally:
+        async_engine.stop()
+    assert lines[0] == {"status": "pulling manifest"} and lines[-1] == {"status": "success"}
+    assert [line["completed"] for line in lines if "completed" in line] == [100, 300, 600]
+    assert pulled == ["qwen2.5-coder-0.5b-instruct", "all-minilm-l6-v2"] and whole == {"status": "success"}
+    assert missing == 404
+
+
+def test_langchain_chat_ollama(server: ServerProcess, name: str) -> None:
+    """LangChain's ``ChatOllama`` as its docs show it: invoke, stream, structured output, tools offered."""
+    from langchain_ollama import ChatOllama
+    from pydantic import BaseModel, Field
+
+    llm = ChatOllama(model=name, base_url=server.base_url, temperature=0, num_predict=24)
+    reply = llm.invoke("Name a colour.")
+    assert reply.content and reply.usage_metadata and reply.usage_metadata["output_tokens"] <= 24
+    pieces = [chunk.content for chunk in llm.stream("Name a colour.")]
+    assert len(pieces) > 1 and "".join(pieces) == reply.content
+
+    class Colour(BaseModel):
+        name: str = Field(max_length=12)
+
+    parsed = (
+        ChatOllama(model=name, base_url=server.base_url, temperature=0, num_predict=40)
+        .with_structured_output(Colour, method="json_schema")
+        .invoke("Pick a colour.")
+    )
+    assert isinstance(parsed, Colour) and parsed.name
+
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    answer = llm.bind_tools([weather]).invoke("What is the weather in Rome?")
+    assert answer.content or answer.tool_calls  # a reply either way: the tools reached the server
+
+
+def test_llama_index_ollama(server: ServerProcess, name: str) -> None:
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.ollama import Ollama
+
+    llm = Ollama(model=name, base_url=server.base_url, temperature=0, request_timeout=120,
+                 additional_kwargs={"num_predict": 16})  # fmt: skip
+    assert llm.complete("The capital of France is").text
+    assert llm.chat([ChatMessage(role="user", content="Name a colour.")]).message.content
+
+
+# Ollama's documented objects (docs/api.md of its repository): the keys each carries
+CHUNK_KEYS = {"model", "created_at", "message", "done"}
+FINAL_KEYS = CHUNK_KEYS | {"done_reason", "total_duration", "load_duration", "prompt_eval_count",
+                           "prompt_eval_duration", "eval_count", "eval_duration"}  # fmt: skip
+MODEL_KEYS = {"name", "model", "modified_at", "size", "digest", "details"}
+DETAILS_KEYS = {"parent_model", "format", "family", "families", "parameter_size", "quantization_level"}
+
+
+def test_the_shapes_field_by_field(server: ServerProcess, name: str) -> None:
+    url = server.base_url
+    body = {"model": name, "messages": MESSAGES, "options": {"num_predict": 3}}
+    lines = [json.loads(line) for line in httpx.post(url + "/api/chat", json=body).text.splitlines()]
+    assert all(set(line) == CHUNK_KEYS for line in lines[:-1]) and set(lines[-1]) == FINAL_KEYS
+    assert set(lines[0]["message"]) == {"role", "content"} and lines[-1]["message"] == {"role": "assistant",
+                                                                                       "content": ""}  # fmt: skip
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", lines[0]["created_at"])
+    whole = httpx.post(url + "/api/generate", json={"model": name, "prompt": "Hi", "stream": False,
+                                                    "options": {"num_predict": 3}}).json()  # fmt: skip
+    assert set(whole) == FINAL_KEYS - {"message"} | {"response"}
+    tags = httpx.get(url + "/api/tags").json()
+    assert set(tags) == {"models"} and set(tags["models"][0]) == MODEL_KEYS
+    assert set(tags["models"][0]["details"]) == DETAILS_KEYS
+    ps = httpx.get(url + "/api/ps").json()["models"][0]
+    assert set(ps) == MODEL_KEYS - {"modified_at"} | {"expires_at", "size_vram"}
+    shown = httpx.post(url + "/api/show", json={"model": name}).json()
+    assert {"modelfile", "parameters", "template", "details", "model_info", "capabilities"} <= set(shown)
+
+
+@pytest.mark.slow
+def test_the_1_5b_through_the_clients() -> None:
+    """The 1.5B (a template with tools) by its Ollama name: chat, a stream, a tool call from a forced-looking
+    question, LangChain's ChatOllama."""
+    from langchain_ollama import ChatOllama
+
+    from tokenmill import models
+
+    if models.pulled_path("qwen2.5-coder-1.5b-instruct") is None:
+        models.pull("qwen2.5-coder-1.5b-instruct")
+    proc = ServerProcess("--model", "qwen2.5-coder:1.5b", "--max-model-len", "2048").start()
+    try:
+        client = ollama.Client(host=proc.base_url, timeout=600)
+        name = "qwen2.5-coder:1.5b"
+        r = client.chat(model=name, messages=[{"role": "user", "content": "What is 2 + 3? Answer with a number."}],
+                        options={"temperature": 0, "num_predict": 8})  # fmt: skip
+        assert "5" in r.message.content and r.done_reason == "stop"
+        parts = list(
+            client.generate(model=name, prompt="def add(a, b):", options={"num_predict": 12}, stream=True)
+        )
+        assert parts[-1].done and "".join(p.response for p in parts)
+        tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+        r = client.chat(model=name, messages=[{"role": "user", "content": "What is the weather in Paris? Use the tool."}],
+                        tools=[tool], options={"temperature": 0, "num_predict": 60})  # fmt: skip
+        (call,) = r.message.tool_calls or [None]
+        assert call is not None and call.function.name == "get_weather", r.message.content
+        assert "paris" in str(call.function.arguments.get("city", "")).lower()
+        reply = ChatOllama(model=name, base_url=proc.base_url, temperature=0, num_predict=8).invoke("Say OK.")
+        assert reply.content
     finally:
         proc.stop()

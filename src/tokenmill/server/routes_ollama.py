@@ -358,3 +358,62 @@ async def version() -> Response:
 @router.head("/")
 async def root_head() -> Response:
     return Response(status_code=200)
+
+
+@router.post("/api/pull")
+async def pull(request: Request) -> Response:
+    """``tokenmill pull`` as Ollama's: progress objects (``status``, and ``completed`` bytes while the file
+    grows) as newline-delimited JSON, ``{"status": "success"}`` last; ``stream: false``: that one object. It
+    fetches into the cache for ``tokenmill serve --model NAME``; this server keeps serving its own model."""
+    import asyncio
+
+    from starlette.concurrency import run_in_threadpool
+
+    from tokenmill import models
+
+    state = get_state(request)
+    body = await read_json_body(request, state.max_body_bytes)
+    name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+    unknown = sorted(set(body) - {"model", "name", "stream", "insecure"}) if isinstance(body, dict) else []
+    if not isinstance(name, str) or unknown:
+        return _error(
+            ApiError.bad_request(f"{unknown[0]}: not supported" if unknown else "model is required")
+        )
+    if models.catalogue_name(name) not in models.CATALOGUE:
+        return _error(ApiError(404, f"pull model manifest: {name!r} is not in tokenmill's catalogue "
+                                    f"({', '.join(models.CATALOGUE)})"))  # fmt: skip
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    done = {"completed": 0}
+
+    def grew(n: int) -> None:
+        done["completed"] += n
+        loop.call_soon_threadsafe(
+            queue.put_nowait, {"status": f"pulling {name}", "completed": done["completed"]}
+        )
+
+    async def fetch() -> None:
+        try:
+            await queue.put({"status": "pulling manifest"})
+            await run_in_threadpool(
+                models.pull, models.catalogue_name(name), progress=False, log=lambda s: None, on_bytes=grew
+            )
+            await queue.put({"status": "verifying sha256 digest"})
+            await queue.put({"status": "success"})
+        except Exception as exc:  # a part pip cannot get, a wrong digest: said in Ollama's shape
+            await queue.put({"error": f"pull failed: {exc}"})
+        await queue.put(None)
+
+    task = asyncio.ensure_future(fetch())
+
+    async def lines() -> Any:
+        while (item := await queue.get()) is not None:
+            yield json.dumps(item) + "\n"
+
+    if body.get("stream", True) is False:
+        last: dict[str, Any] = {}
+        async for line in lines():
+            last = json.loads(line)
+        await task
+        return JSONResponse(last, status_code=500 if "error" in last else 200)
+    return NDJSONResponse(lines(), on_disconnect=lambda: None)
