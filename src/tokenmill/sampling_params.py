@@ -23,6 +23,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # a reasoning model's thought comes first, unconstrained, up to "</think>": "required" (the thought was
+    # opened in the prompt, or the model always writes one) or "optional" (a "<think> ... </think>" may open
+    # the output); None: the constraint starts at the first token
+    after_think: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -31,6 +35,11 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise BadRequestError(
                 f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; got {given}",
+                param="structured_outputs",
+            )
+        if self.after_think not in (None, "required", "optional"):
+            raise BadRequestError(
+                f"structured_outputs: after_think must be required or optional, got {self.after_think!r}",
                 param="structured_outputs",
             )
         if self.choice is not None and (
@@ -48,7 +57,7 @@ class StructuredOutputsParams:
 
         return json.dumps(
             {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-             "json_object": self.json_object},
+             "json_object": self.json_object, "after_think": self.after_think},
             sort_keys=True,
         )  # fmt: skip
 

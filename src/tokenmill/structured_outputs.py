@@ -104,6 +104,10 @@ class StructuredOutputs:
         return text
 
     def _translate(self, params: StructuredOutputsParams) -> str:
+        text = self._translate_constraint(params)
+        return text if params.after_think is None else after_thought(text, params.after_think)
+
+    def _translate_constraint(self, params: StructuredOutputsParams) -> str:
         matcher = self._ll.LLMatcher
         try:
             if params.json is not None:
@@ -177,6 +181,23 @@ class StructuredOutputs:
         """The error for a compile abandoned at its time budget (counted)."""
         self.num_compile_timeouts += 1
         return _bad(f"compiling the constraint ran over the {self.compile_timeout_s:g} s limit")
+
+
+# a reasoning model's thought before the constrained answer: free text up to "</think>" (llguidance's stop on a
+# rule), then the constraint as a grammar of its own
+_THOUGHT = {
+    "required": 'start: thought @answer\nthought[stop="</think>"]: /(?s:.*)/\n',
+    "optional": 'start: (open thought)? @answer\nopen: "<think>"\nthought[stop="</think>"]: /(?s:.*)/\n',
+}
+
+
+def after_thought(grammar_text: str, mode: str) -> str:
+    """The translated constraint ``grammar_text`` (llguidance's grammar list) behind a thought (``mode``:
+    "required" or "optional", as :class:`StructuredOutputsParams.after_think`)."""
+    grammars = json.loads(grammar_text)["grammars"]
+    return json.dumps(
+        {"grammars": [{"lark_grammar": _THOUGHT[mode]}, {**grammars[0], "name": "answer"}, *grammars[1:]]}
+    )
 
 
 def _bad(message: str) -> BadRequestError:

@@ -1,12 +1,13 @@
 """A reasoning model's thinking split from its answer on the chat route (``--reasoning-parser``), read by the
 openai SDK as vLLM's ``reasoning`` (and ``reasoning_content``) fields; and ``chat_template_kwargs``.
 
-The embedded model does not think, so on the chat route a regex makes it write a thought and an answer
-(``<think>`` opened in the prompt, as DeepSeek-R1's distills do: the ``deepseek_r1`` parser); what is checked is
-the routes' wiring: whole and streamed answers split as :func:`tokenmill.reasoning.split` splits the same text,
-``include_reasoning``. On the Responses and Messages routes (no regex there) its plain answer never closes the
-thought, which that parser reads as all reasoning: a ``reasoning`` item and a ``thinking`` block before an empty
-answer, read by the openai and anthropic SDKs' stream accumulators, and taken back in the next turn's input.
+The embedded model does not think: its answer never closes the thought that the ``deepseek_r1`` parser (``<think>``
+opened in the prompt, as DeepSeek-R1's distills do) reads into it, so all of it is reasoning. What is checked is
+the routes' wiring: chat's reasoning fields whole and streamed, ``include_reasoning``, a constraint that leaves
+the thought alone; a ``reasoning`` item and a ``thinking`` block before an empty answer on the Responses and
+Messages routes, read by the openai and anthropic SDKs' stream accumulators and taken back in the next turn's
+input. The split itself is tested on recorded outputs (``tests/unit/test_reasoning.py``), and a constraint after
+``</think>`` on llguidance's matcher (``tests/unit/test_after_think.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.protocol import ChatCompletionRequest, ParamError
 from tokenmill.server.routes_chat import encode_messages
 
-THOUGHT_THEN_ANSWER = r"[a-z]{3,8}( [a-z]{3,8}){1,3}\n</think>\n\n[A-Z][a-z]{3,8}( [a-z]{3,8}){1,3}\."
 MESSAGES = [{"role": "user", "content": "Think, then answer: what is a cat?"}]
 
 
@@ -54,22 +54,18 @@ def claude(app: Any) -> anthropic.AsyncAnthropic:
 
 
 def _chat(client: openai.AsyncOpenAI, **body: Any) -> Any:
-    extra = {"guided_regex": THOUGHT_THEN_ANSWER, **body.pop("extra_body", {})}
     return asyncio.run(
-        client.chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=60, temperature=0, extra_body=extra, **body
-        )
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0, **body)
     )
 
 
 def test_whole_answer(client: openai.AsyncOpenAI) -> None:
+    """The 135M never closes the thought the deepseek_r1 rule opens: all it writes is reasoning."""
     message = _chat(client).choices[0].message
     reasoning = message.model_extra["reasoning"]
     assert message.model_extra["reasoning_content"] == reasoning
-    want = split("deepseek_r1", f"{reasoning}\n</think>\n\n{message.content}")
-    assert (want.reasoning, want.content) == (reasoning, message.content)
-    assert reasoning and " " in reasoning and "</think>" not in reasoning + message.content
-    assert message.content[0].isupper() and message.content.endswith(".")
+    assert reasoning and " " in reasoning and message.content == ""
+    assert split("deepseek_r1", reasoning).reasoning == reasoning
 
 
 def test_streamed_answer_adds_up_to_the_whole(client: openai.AsyncOpenAI) -> None:
@@ -78,9 +74,8 @@ def test_streamed_answer_adds_up_to_the_whole(client: openai.AsyncOpenAI) -> Non
     async def stream() -> tuple[str, str]:
         reasoning, content = "", ""
         chunks = await client.chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=60, temperature=0, stream=True,
-            extra_body={"guided_regex": THOUGHT_THEN_ANSWER},
-        )  # fmt: skip
+            model="m", messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+        )
         async for chunk in chunks:
             delta = chunk.choices[0].delta
             extra = delta.model_extra or {}
@@ -94,9 +89,18 @@ def test_streamed_answer_adds_up_to_the_whole(client: openai.AsyncOpenAI) -> Non
 
 
 def test_include_reasoning_false_drops_it(client: openai.AsyncOpenAI) -> None:
-    whole = _chat(client).choices[0].message
     message = _chat(client, extra_body={"include_reasoning": False}).choices[0].message
-    assert "reasoning" not in (message.model_extra or {}) and message.content == whole.content
+    assert "reasoning" not in (message.model_extra or {}) and message.content == ""
+
+
+def test_a_constraint_starts_after_the_thought(client: openai.AsyncOpenAI) -> None:
+    """With a reasoning parser a JSON schema constrains the answer, not the thought: the thought the model
+    writes under it is exactly what it writes with no constraint (greedy), not JSON from the first token."""
+    free = _chat(client).choices[0].message.model_extra["reasoning"]
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    constrained = _chat(client, response_format=fmt).choices[0].message
+    assert constrained.model_extra["reasoning"] == free and not free.lstrip().startswith("{")
 
 
 def _thinking_state(make_engine: Any) -> Any:

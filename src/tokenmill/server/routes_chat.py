@@ -149,7 +149,23 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
         constraint = StructuredOutputsParams(grammar=grammar)
         engine_prompts = [(ids, replace(p, structured_outputs=constraint)) for ids, p in engine_prompts]
     structured_param = "tools" if req.forces_tool_call else req.structured()[1]
+    if state.reasoning_parser is not None:  # the constraint applies to the answer, after the thought
+        mode = thought_mode(state, prompt_ids)
+        engine_prompts = [
+            (ids, p if p.structured_outputs is None else
+             replace(p, structured_outputs=replace(p.structured_outputs, after_think=mode)))
+            for ids, p in engine_prompts
+        ]  # fmt: skip
     return ChatPlan(prompt_ids, engine_prompts, structured_param)
+
+
+def thought_mode(state: ServerState, prompt_ids: list[int]) -> str:
+    """Whether an answer must come after a thought ("required": deepseek_r1's rule, or a prompt that opened
+    ``<think>``) or may ("optional": qwen3's output opens its own thought, or none)."""
+    tail = state.async_engine.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    if state.reasoning_parser == "deepseek_r1" or prompt_opens_reasoning(tail):
+        return "required"
+    return "optional"
 
 
 @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
