@@ -25,7 +25,7 @@ M = [{"role": "user", "content": "hi"}]
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess(
         "--max-queue", "4", "--header-timeout", "1", "--body-timeout", "1", "--max-header-bytes", "16384",
-        "--allowed-origins", json.dumps([ORIGIN]),
+        "--allowed-origins", json.dumps([ORIGIN]), "--max-tokens-past-context", "refuse",  # OpenAI's 400 kept
     ).start()  # fmt: skip
     yield proc
     proc.stop()

@@ -509,12 +509,15 @@ def test_the_pulled_name_and_the_files_own_are_aliases(tmp_path, monkeypatch) ->
     entry = models.CATALOGUE["all-minilm-l6-v2"]
     folder = models.model_path(entry.name)
     folder.mkdir(parents=True)
+    ollama = ["all-minilm", "all-minilm:latest", "all-minilm:22m", "all-minilm:l6-v2"]  # Ollama's names for it
     assert model_aliases(str(folder), "all-MiniLM-L6-v2", str(folder)) == [
         "all-MiniLM-L6-v2",
         "all-minilm-l6-v2",
+        *ollama,
     ]
     assert model_aliases(str(folder), "all-MiniLM-L6-v2", "all-minilm-l6-v2") == [
         "all-MiniLM-L6-v2",
         "all-minilm-l6-v2",
+        *ollama,
     ]
     assert model_aliases(str(tmp_path / "elsewhere.gguf"), "elsewhere", None) == ["elsewhere"]

@@ -30,6 +30,7 @@ FLOORS: list[set[str]] = [
         "engine_args",
         "traffic",
         "cost_model",
+        "reasoning",
     },  # fmt: skip
     {"cache"},
     {"core", "stats", "roofline"},
