@@ -509,7 +509,12 @@ def test_the_pulled_name_and_the_files_own_are_aliases(tmp_path, monkeypatch) ->
     entry = models.CATALOGUE["all-minilm-l6-v2"]
     folder = models.model_path(entry.name)
     folder.mkdir(parents=True)
-    ollama = ["all-minilm", "all-minilm:latest", "all-minilm:22m", "all-minilm:l6-v2"]  # Ollama's names for it
+    ollama = [
+        "all-minilm",
+        "all-minilm:latest",
+        "all-minilm:22m",
+        "all-minilm:l6-v2",
+    ]  # Ollama's names for it
     assert model_aliases(str(folder), "all-MiniLM-L6-v2", str(folder)) == [
         "all-MiniLM-L6-v2",
         "all-minilm-l6-v2",
