@@ -343,7 +343,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         max_tokens_past_context=args.max_tokens_past_context,
         reasoning_parser=args.reasoning_parser,
         ui=args.ui,
-        default_chat_template_kwargs=_json_object(
+        default_chat_template_kwargs=json_object_arg(
             args.default_chat_template_kwargs, "--default-chat-template-kwargs"
         ),
     )
@@ -456,7 +456,7 @@ async def _serve(server: Any, async_engine: Any, shutdown_timeout_s: float) -> N
     await server.serve()
 
 
-def _json_object(text: str | None, flag: str) -> dict[str, Any]:
+def json_object_arg(text: str | None, flag: str) -> dict[str, Any]:
     """A flag's JSON object ({} when unset); ValueError naming the flag otherwise."""
     if text is None:
         return {}

@@ -65,11 +65,13 @@ def build_deployment(
     api_keys: Sequence[str] = (),
     response_store: str = "sqlite",
     response_store_caps: tuple[int, int] | None = None,
+    app_options: dict[str, Any] | None = None,
 ) -> Any:
     """A bound Ray Serve application of ``num_replicas`` engines (autoscaling up to ``max_replicas`` when that
     is larger). ``engine_kwargs`` are ``EngineConfig`` fields, applied in every replica. Every replica opens
     the same ``response_store`` (``--response-store``: the default SQLite file on this machine, or Redis
-    across machines), so a ``previous_response_id`` works whichever replica serves the next turn."""
+    across machines), so a ``previous_response_id`` works whichever replica serves the next turn.
+    ``app_options``: more keyword arguments of ``build_app`` (the tool-call and reasoning parsers...)."""
     serve = _require_serve()
     autoscaling = None
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus_per_replica}}
@@ -122,6 +124,7 @@ def build_deployment(
                 model_aliases=model_aliases(
                     self.engine_source, self.engine_model_name, engine_kwargs.get("model")
                 ),
+                **(app_options or {}),
             )  # fmt: skip
             return _ReplicaHeader(app, self.tag)
 
@@ -147,7 +150,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     import logging
 
     from tokenmill.engine_args import engine_config_from_args
-    from tokenmill.server.launch import api_keys_from_args
+    from tokenmill.server.launch import api_keys_from_args, json_object_arg
 
     for flag, value in (("--record", args.record), ("--otlp-traces-endpoint", args.otlp_traces_endpoint)):
         if value:  # one file or exporter per replica is not built: refused, not ignored
@@ -168,6 +171,15 @@ def run_from_args(args: argparse.Namespace) -> int:
         api_keys=api_keys_from_args(args),
         response_store=args.response_store,
         response_store_caps=(args.responses_store_max_count, args.responses_store_max_bytes),
+        app_options={
+            "tool_call_parser": args.tool_call_parser,
+            "max_tokens_past_context": args.max_tokens_past_context,
+            "reasoning_parser": args.reasoning_parser,
+            "ui": args.ui,
+            "default_chat_template_kwargs": json_object_arg(
+                args.default_chat_template_kwargs, "--default-chat-template-kwargs"
+            ),
+        },  # fmt: skip
     )
     logging.getLogger("tokenmill.server").info(
         "serving %d replica(s) on Ray Serve at http://%s:%d", args.num_replicas, args.host, args.port
