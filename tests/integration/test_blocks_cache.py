@@ -63,6 +63,7 @@ def test_second_load_maps_the_cache_and_computes_the_same(
     assert torch.equal(_logprobs(second), expected)
 
 
+@pytest.mark.slow  # 12 s: a whole rebuild of the blocks cache
 def test_a_damaged_cache_is_rebuilt(tmp_path: Path) -> None:
     path = embedded_model_path()
     first = load_model(str(path), device="cpu", cache_dir=str(tmp_path))

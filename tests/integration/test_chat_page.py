@@ -5,9 +5,11 @@ answer streamed in, the key asked for once, the conversation kept across a reloa
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -41,13 +43,26 @@ def test_the_page_is_served_whole_and_open(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/v1/models").status_code == 401  # the API behind it stays closed
 
 
-def test_no_ui() -> None:
-    proc = ServerProcess("--no-ui").start()
-    try:
-        assert httpx.get(proc.base_url + "/").status_code in (404, 405)  # no page (HEAD / is answered)
-        assert httpx.head(proc.base_url + "/").status_code == 200  # Ollama's liveness check stays
-    finally:
-        proc.stop()
+def test_no_ui(make_engine: Any) -> None:
+    """``--no-ui`` (``build_app(ui=False)``): no page; Ollama's liveness check ``HEAD /`` still answers."""
+    from tokenmill.server.app import build_app
+    from tokenmill.server.async_engine import AsyncEngine
+
+    app = build_app(AsyncEngine(make_engine(max_model_len=64), max_queue=2), "m", ui=False)
+
+    async def get() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/")).status_code, (await c.head("/")).status_code
+
+    page, head = asyncio.run(get())
+    assert page in (404, 405) and head == 200
+    import argparse
+
+    from tokenmill.server.launch import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--no-ui"]).ui is False and parser.parse_args([]).ui is True
 
 
 @pytest.mark.slow

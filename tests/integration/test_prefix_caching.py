@@ -24,7 +24,15 @@ def _tokens(outs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16", "int8", "fp8"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype",
+    [
+        "auto",
+        pytest.param("fp16", marks=pytest.mark.slow),
+        "int8",
+        pytest.param("fp8", marks=pytest.mark.slow),
+    ],
+)  # "auto" is fp16 on this arithmetic; fp8's blocks are int8's size (slow: 6 s each)
 def test_shared_prefix_batch_same_tokens_on_and_off(make_engine: Any, kv_cache_dtype: str) -> None:
     prompts = [PREFIX + [1000 + 7 * i + j for j in range(5 + i)] for i in range(6)]
     off = make_engine(max_model_len=512, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
@@ -57,7 +65,7 @@ def test_multi_turn_chat_same_tokens_and_later_turns_hit(make_engine: Any) -> No
     assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]  # each turn reuses the previous ones
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_preempted_and_resumed_same_tokens_on_and_off(make_engine: Any, kv_cache_dtype: str) -> None:
     prompts = [PREFIX[:40] + [300 + 3 * i + j for j in range(4 + 3 * i)] for i in range(8)]
     params = [greedy(8 + 3 * i) for i in range(8)]

@@ -174,7 +174,7 @@ def test_preemption_and_prefix_caching_with_proposals(make_engine, engines, prom
     tight.check_integrity()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_proposals_preemption_and_prefix_caching_on_an_8_bit_kv_cache(
     embedded_q8, prompts, kv_cache_dtype
 ) -> None:

@@ -242,6 +242,7 @@ def _reference(
     return out
 
 
+@pytest.mark.slow  # 12 s of draws
 def test_top_k_rows_draw_from_the_float64_distribution() -> None:
     """Rows with a small top_k draw among their top_k candidates only, the others over the vocabulary: the
     frequencies of 30,000 draws match the distribution computed in float64 (chi-square, 0.1% level), for several
