@@ -79,15 +79,35 @@ def test_a_conversation_in_a_browser(server: ServerProcess) -> None:
         page.goto(server.base_url + "/")
         page.wait_for_function("document.querySelector('#model').options.length > 0")
         assert page.locator("#model option").first.inner_text() == "SmolLM2-135M-Instruct"
+        # a long answer: it grows while it streams, and Stop ends it
+        page.fill("#max_tokens", "2000")
+        page.fill("#input", "Tell me a very long story about a cat.")
+        page.click("#send")
+        grown = (
+            "document.querySelector('.msg.assistant') && document.querySelector('.msg.assistant').innerText"
+        )
+        page.wait_for_function(f"({grown} || '').length > 20", timeout=60_000)
+        early = len(page.locator(".msg.assistant").first.inner_text())
+        page.wait_for_function(f"({grown} || '').length > {early + 20}", timeout=60_000)  # still growing
+        assert page.is_enabled("#stop") and not page.is_enabled("#send")
+        page.click("#stop")
+        page.wait_for_function("document.querySelector('.msg.assistant .stats') !== null", timeout=30_000)
+        stopped = page.locator(".msg.assistant").first.inner_text()
+        assert "stopped" in stopped and "first token" in stopped and "tokens/s" in stopped
+        assert page.is_enabled("#send")
+        # a short one runs to its end, with its numbers
         page.fill("#max_tokens", "12")
         page.fill("#input", "Name a colour.")
         page.click("#send")
-        page.wait_for_function("document.querySelector('.msg.assistant .stats') !== null", timeout=60_000)
-        answer = page.locator(".msg.assistant").first.inner_text()
-        assert "first token" in answer and "tokens/s" in answer
-        assert page.locator(".msg.assistant").first.inner_text().split("first token")[0].strip()  # some text
+        page.wait_for_function(
+            "document.querySelectorAll('.msg.assistant .stats').length === 2", timeout=60_000
+        )
+        answer = page.locator(".msg.assistant").nth(1).inner_text()
+        assert "first token" in answer and "stopped" not in answer and answer.split("first token")[0].strip()
         page.reload()  # kept in the browser's storage, the key too
         page.wait_for_selector(".msg.user")
-        assert page.locator(".msg.user").first.inner_text() == "Name a colour."
+        assert [page.locator(".msg.user").nth(i).inner_text() for i in range(2)] == [
+            "Tell me a very long story about a cat.", "Name a colour.",
+        ]  # fmt: skip
         assert page.locator(".conv").count() == 1
         browser.close()

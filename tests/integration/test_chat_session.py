@@ -102,3 +102,20 @@ def test_interactive_session_keeps_history_resets_and_stops_on_ctrl_c() -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(term.pid, 9)
+
+
+def test_run_opens_the_same_session_by_an_ollama_name() -> None:
+    """``tokenmill run smollm2:135m`` (the embedded model by Ollama's name, nothing to pull): the interactive
+    session in a terminal, an answer streamed and stopped with Ctrl-C, then Ctrl-D ends it."""
+    argv = [sys.executable, "-m", "tokenmill.cli", "run", "smollm2:135m", "--show-prompt", "--max-tokens",
+            "2000", "--ignore-eos", "--num-kv-blocks", "300", "--device", "cpu"]  # fmt: skip
+    term = Terminal(argv)
+    try:
+        term.expect(re.escape(">>> "), timeout_s=180)
+        prompt = _turn(term, "Tell me about caches.")
+        assert "Tell me about caches." in prompt and "<|im_start|>assistant" in prompt  # the chat template
+        term.send("\x04")
+        assert term.wait() == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(term.pid, 9)
