@@ -31,9 +31,8 @@ from tokenmill.server.common import (
     SSEResponse,
     api_error,
     check_model,
-    check_task,
     get_state,
-    parse_body,
+    parse_request,
     read_json_body,
     submit,
     tokenize_off_loop,
@@ -59,14 +58,6 @@ class NDJSONResponse(SSEResponse):
 
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse({"error": exc.info.message}, status_code=exc.status_code, headers=exc.headers)
-
-
-async def _parse(request: Request, model: Any, task: str = "generate") -> tuple[ServerState, Any]:
-    state = get_state(request)
-    req = parse_body(model, await read_json_body(request, state.max_body_bytes))
-    check_model(state, getattr(req, "model", None))
-    check_task(state, task)
-    return state, req
 
 
 def _now() -> str:
@@ -170,7 +161,7 @@ class _OllamaView:
 
 async def _answer(request: Request, generate: bool) -> Response:
     try:
-        state, req = await _parse(request, GenerateRequest if generate else ChatRequest)
+        state, req = await parse_request(request, GenerateRequest if generate else ChatRequest)
         if req.think and state.reasoning_parser is None:
             raise ApiError.bad_request(f'"{req.model}" does not support thinking')
         chat = req.to_chat(state.async_engine.max_model_len)
@@ -230,7 +221,7 @@ async def embed(request: Request) -> Response:
 
     started = time.perf_counter()
     try:
-        state, req = await _parse(request, EmbedRequest, task="embed")
+        state, req = await parse_request(request, EmbedRequest, task="embed")
         if req.options:
             raise ApiError.bad_request(f"options.{sorted(req.options)[0]}: not supported for embeddings")
         size = state.async_engine.embedding_size
@@ -255,7 +246,7 @@ async def embeddings(request: Request) -> Response:
     from tokenmill.server.routes_embeddings import EmbeddingRequest, embed_inputs
 
     try:
-        state, req = await _parse(request, EmbeddingsRequest, task="embed")
+        state, req = await parse_request(request, EmbeddingsRequest, task="embed")
         if req.options:
             raise ApiError.bad_request(f"options.{sorted(req.options)[0]}: not supported for embeddings")
         embedded = await embed_inputs(request, state, EmbeddingRequest(input=req.prompt))
@@ -323,7 +314,7 @@ async def ps(request: Request) -> Response:
 @router.post("/api/show")
 async def show(request: Request) -> Response:
     try:
-        state, req = await _parse(request, ShowRequest, task="any")
+        state, req = await parse_request(request, ShowRequest, task="any")
         name = req.model or req.name
         if name is None:
             raise ApiError.bad_request("model is required")
