@@ -86,9 +86,10 @@ K_QUANTS = [t for t in sorted(FORMATS) if _k(t) == 256]
 
 @pytest.mark.parametrize("type_name", K_QUANTS)
 def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, type_name: str) -> None:
-    """A K-quant's scales (and mins) kept as int8 multipliers of a unit per super-block (layout 2) against the
-    same groups with fp32 scales per group (layout 0): fewer bytes, the same weights, and the kernel's outputs the
-    same bits on every path (one row, a few rows in registers, an expanded panel) and in the row lookup."""
+    """A K-quant's scales (and mins) kept as multipliers of an fp16 unit per super-block (layout 2: int8, or six bits
+    for groups of 32 with a min) against the same groups with fp32 scales per group (layout 0): fewer bytes, the
+    same weights, and the kernel's outputs the same bits on every path (one row, a few rows in registers, an
+    expanded panel) and in the row lookup."""
     width = kernel_variant.quant_tile_rows()
     in_features = 2 * 256
     raw = random_blocks(type_name, width + 5, in_features, seed=11)
@@ -96,10 +97,12 @@ def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, t
     small = QuantizedWeight.from_groups([groups], width)
     plain = QuantizedWeight.from_groups([groups._replace(scale_unit=None, min_unit=None)], width)
     assert int(small.meta[0, 8]) == LAYOUT_FACTORED and int(plain.meta[0, 8]) == LAYOUT_INPUTS
-    # per row and group of g inputs: (1 or 2 fields) * 1 byte instead of 4, plus 4 bytes per field per 256 inputs
-    fields = 2 if FORMATS[type_name].has_min else 1
-    group = FORMATS[type_name].group
-    saved = fields * (3 * in_features // group - 4 * in_features // 256) * (2 * width)  # 2 tiles
+    # per row and group: 4 bytes a field before; now a byte a field (1.5 bytes for both fields of 6 bits), plus
+    # 2 bytes a field per 256 inputs
+    fmt = FORMATS[type_name]
+    fields, num_groups, num_super = (2 if fmt.has_min else 1), in_features // fmt.group, in_features // 256
+    head = 1.5 if fmt.has_min and fmt.group == 32 else fields
+    saved = (4 * fields * num_groups - head * num_groups - 2 * fields * num_super) * (2 * width)  # 2 tiles
     assert plain.data.numel() - small.data.numel() == saved
     assert torch.equal(small.dequantize(), plain.dequantize())
     assert torch.equal(small.dequantize(), reference(type_name, raw, in_features))
@@ -126,6 +129,17 @@ def test_scales_that_are_not_unit_multiples_keep_fp32_scales() -> None:
     nudged[3, 2] = np.nextafter(nudged[3, 2], np.float32(np.inf))
     assert not factored(groups._replace(scale=nudged))
     assert not factored(groups._replace(scale_unit=groups.scale_unit / 1024))  # multipliers past int8
+    mult = np.rint(groups.scale / np.repeat(groups.scale_unit, 8, axis=1))
+    for unit, kept in ((1 + 2**-10, True), (1 + 2**-12, False)):  # an fp16, and a value fp16 cannot hold
+        unit_arr = np.full_like(groups.scale_unit, unit)
+        assert (
+            factored(groups._replace(scale=(mult * np.float32(unit)).astype(np.float32), scale_unit=unit_arr))
+            is kept
+        )
+    wide = mult.copy()
+    wide[0, 0] = 64  # past six bits: Q4_K's multipliers are kept in six
+    unit_rep = np.repeat(groups.scale_unit, 8, axis=1)
+    assert not factored(groups._replace(scale=(wide * unit_rep).astype(np.float32)))
     weight = QuantizedWeight.from_groups([groups._replace(scale=nudged)], 8)
     assert int(weight.meta[0, 8]) == LAYOUT_INPUTS
 
@@ -317,6 +331,17 @@ def test_factored_quads_hold_a_k_quant_in_fewer_bytes_and_compute_the_same(kerne
     assert torch.equal(
         kernel_variant.quant_rows(factored_w.data, factored_w.meta, ids), factored_w.dequantize(ids)
     )
+
+
+@pytest.mark.parametrize("width", [8, 16, 32])
+@pytest.mark.parametrize(("type_name", "int8_activations"), [("Q4_K", True), ("Q6_K", True), ("Q4_K", False)])
+def test_q4_k_and_q6_k_keep_their_files_bytes(type_name: str, int8_activations: bool, width: int) -> None:
+    """Q4_K_M's two types as a decode step reads them, on llama.cpp's arithmetic (and Q4_K on the exact one): the
+    same number of bytes as the file's blocks (the file's 4.5 and 6.5625 bits a weight), and the same weights."""
+    raw = random_blocks(type_name, 2 * width, 512, seed=width)
+    weight = QuantizedWeight.from_groups([to_groups(type_name, raw, 512)], width, int8_activations)
+    assert weight.data.numel() == raw.nbytes
+    assert torch.equal(weight.dequantize(), reference(type_name, raw, 512))
 
 
 @pytest.mark.parametrize("type_name", BYTE_QUAD_TYPES)

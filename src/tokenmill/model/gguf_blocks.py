@@ -33,10 +33,11 @@ parts stacked along the output rows, described by ``meta [P, 9]`` int64: (byte o
 has_min, first output row, W, layout).
 
 Layout 2 (the K-quants and IQ4_XS, whose every scale and min is the super-block's fp16 ``d`` or ``dmin`` times
-a small integer) keeps those integers instead of the fp32 products: per tile and super-block of 256 inputs, W fp32
-units (``d``, then ``-dmin``), then per group W int8 multipliers of each and the codes as in layout 0. The kernel
-multiplies unit by multiplier (exact in fp32: an fp16 times at most 8 bits), so the weights are the same values
-bit for bit, in 4.75 bits a weight for Q4_K instead of 6 (8.6 instead of 10 for Q6_K): what a decode step reads.
+a small integer) keeps those integers instead of the fp32 products: per tile and super-block of 256 inputs, W fp16
+units (``d``, then ``-dmin``), then every group's multipliers (W int8 per field; for groups of 32 with a min, Q4_K's
+and Q5_K's, six bits each, as the file keeps them: :func:`packed_multipliers`), then every group's codes as in layout
+0. The kernel multiplies unit by multiplier (exact in fp32: an fp16 times at most 8 bits), so the weights are the
+same values bit for bit: Q4_K in its file's 4.5 bits a weight instead of 6, Q6_K's scales in its file's bytes too.
 :func:`factored` checks each tensor's products are exact before it takes this layout, else it keeps layout 0.
 
 Layout 1 (``int8_activations``, 4-bit parts only) keeps the same scales, mins and codes in another order, for
@@ -46,7 +47,7 @@ row j // 4 (low nibble) and row W/2 + j // 4 (high) at input j % 4 of the quad. 
 values (``dequantize`` reads both layouts); only the activations are rounded.
 
 Layout 5 (``int8_activations``, a K-quant's 4-bit parts: Q4_K) is layout 1's quads with layout 2's units and
-int8 multipliers: 4.75 bits a weight instead of 6 for the 8-bit-activation kernel too.
+multipliers: the file's 4.5 bits a weight for the 8-bit-activation kernel too.
 
 Layouts 3 and 4 (``int8_activations``, the 8-bit formats whose codes lie in -32..31: Q6_K, Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K) are layout 0 and layout 2 with each group's codes reordered for the same kernel: in quads of 4 inputs, byte
@@ -55,7 +56,7 @@ integer dot product; the kernel takes 32 times the activations' sum back). Same 
 
 Layouts 6 and 7 are layouts 3 and 4 in six bits a code (every biased code is 0..63): per quad a plane of low
 nibbles and a plane of top bit pairs (:func:`_six_bit_quads`), 3 bytes per 4 codes. These are what the loader
-writes for ``int8_activations``: Q6_K in 6.6 bits a weight (its file's 6.56) instead of 8.6, which is what a
+writes for ``int8_activations``: Q6_K in its file's 6.5625 bits a weight (layout 7) instead of 8.6, which is what a
 decode step reads of it.
 """
 
@@ -70,7 +71,7 @@ import torch
 QK_K = 256  # weights per K-quant super-block
 LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_FACTORED = 0, 1, 2  # meta column 8
 LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED = 3, 4  # 8-bit codes in quads: layout 0's, layout 2's
-LAYOUT_QUADS_FACTORED = 5  # 4-bit codes in quads (layout 1's) with layout 2's units and int8 multipliers
+LAYOUT_QUADS_FACTORED = 5  # 4-bit codes in quads (layout 1's) with layout 2's units and multipliers
 LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED = 6, 7  # layouts 3 and 4 in six bits a code
 INT8_ACTIVATION_LAYOUTS = (
     LAYOUT_QUADS,
@@ -469,14 +470,20 @@ def _multipliers(values: np.ndarray, unit: np.ndarray, per_super: int) -> np.nda
     return mult
 
 
+def packed_multipliers(fmt: BlockFormat) -> bool:
+    """Whether the factored layouts keep this format's multipliers in six bits each (groups of 32 with a min: Q4_K's
+    and Q5_K's 6-bit scales and mins) rather than a byte."""
+    return fmt.has_min and fmt.group == 32
+
+
 def factored(groups: Groups) -> bool:
-    """Whether ``groups`` can take the factored layout (a K-quant whose every scale and min is its unit times an
-    int8, exactly)."""
+    """Whether ``groups`` can take the factored layout (a K-quant whose every scale and min is its unit, an fp16,
+    times an int8, exactly; six bits, 0..63, where :func:`packed_multipliers`)."""
     return _factors(groups) is not None
 
 
 def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """[(unit [rows, S], multipliers [rows, G])] for the scales (and the mins), or None."""
+    """[(unit [rows, S] fp16, multipliers [rows, G] int8)] for the scales (and the mins), or None."""
     num_groups = groups.codes.shape[1]
     per_super = QK_K // groups.fmt.group
     if (
@@ -492,31 +499,53 @@ def _factors(groups: Groups) -> list[tuple[np.ndarray, np.ndarray]] | None:
         pairs.append((groups.min, groups.min_unit))
     out = []
     for values, unit in pairs:
-        mult = _multipliers(values.astype(np.float32), unit.astype(np.float32), per_super)
-        if mult is None:
+        unit32 = unit.astype(np.float32)
+        with np.errstate(over="ignore"):
+            unit16 = unit32.astype(np.float16)
+        if not np.array_equal(unit16.astype(np.float32), unit32):  # kept as fp16: it must be one
             return None
-        out.append((unit.astype(np.float32), mult))
+        mult = _multipliers(values.astype(np.float32), unit32, per_super)
+        if mult is None or (
+            packed_multipliers(groups.fmt) and mult.size and (mult.min() < 0 or mult.max() > 63)
+        ):
+            return None
+        out.append((unit16, mult))
     return out
+
+
+def _six_bit_pairs(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Multipliers 0..63 ``[T, G, W]`` each -> ``[T, G, 3 W / 2]`` bytes as ``simd::six_bit_pairs`` reads them: byte
+    r the low nibbles (scale | min << 4), then byte i of W / 2 the top bit pairs of scale i, min i, scale i + W / 2,
+    min i + W / 2."""
+    s, m = scales.astype(np.uint8), mins.astype(np.uint8)
+    half = s.shape[-1] // 2
+    nib = (s & 15) | ((m & 15) << 4)
+    top = (s >> 4) | ((m >> 4) << 2)  # 4 bits a row
+    return np.concatenate([nib, top[..., :half] | (top[..., half:] << 4)], axis=-1).astype(np.uint8)
 
 
 def _pack_factored(  # type: ignore[no-untyped-def]
     groups: Groups, tiles, num_tiles: int, layout: int = LAYOUT_FACTORED
 ) -> np.ndarray:
-    """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp32 units (scale, then min), then per
-    group the rows' int8 multipliers (scale, then min) and the group's codes as layout 0 stores them (layout 4:
-    as layout 3 stores them; layout 5: as layout 1 does)."""
+    """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp16 units (scale, then min), then per group
+    the rows' multipliers (int8 per field, or six-bit pairs: :func:`packed_multipliers`), then per group its codes
+    as layout 0 stores them (layout 4: as layout 3 stores them; layout 5: as layout 1; layout 7: as layout 6)."""
     pairs = _factors(groups)
     if pairs is None:
-        raise ValueError("these groups' scales are not a unit per super-block times int8 multipliers")
+        raise ValueError("these groups' scales are not an fp16 unit per super-block times int8 multipliers")
     fmt, num_groups = groups.fmt, groups.codes.shape[1]
     per_super = QK_K // fmt.group
     num_super = num_groups // per_super
     width = tiles(groups.scale).shape[1]
-    units = [tiles(u).transpose(0, 2, 1) for u, _ in pairs]  # [T, S, W] float32 each
+    units = [tiles(u).transpose(0, 2, 1) for u, _ in pairs]  # [T, S, W] float16 each
     supers = np.concatenate(
         [np.ascontiguousarray(u).view(np.uint8) for u in units], axis=-1
-    )  # [T, S, 4W per field]
-    mults = [tiles(m).transpose(0, 2, 1).view(np.uint8) for _, m in pairs]  # [T, G, W] each
+    )  # [T, S, 2W per field]
+    mults = [tiles(m).transpose(0, 2, 1) for _, m in pairs]  # [T, G, W] int8 each
+    if packed_multipliers(fmt):
+        heads = _six_bit_pairs(*mults)
+    else:
+        heads = np.concatenate([m.view(np.uint8) for m in mults], axis=-1)
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [T, G, group, W]
     if layout == LAYOUT_QUADS_FACTORED:
         codes = _nibble_quads(tiles(groups.codes))
@@ -526,11 +555,9 @@ def _pack_factored(  # type: ignore[no-untyped-def]
         codes = _six_bit_quads(_byte_quads(codes))
     elif fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
-    codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
-    grps = np.concatenate([*mults, codes], axis=-1).reshape(
-        num_tiles, num_super, -1
-    )  # [T, S, per_super * bytes]
-    return np.concatenate([supers, grps], axis=-1).reshape(-1)
+    codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_super, -1)
+    heads = np.ascontiguousarray(heads).reshape(num_tiles, num_super, -1)
+    return np.concatenate([supers, heads, codes], axis=-1).reshape(-1)
 
 
 @dataclass
@@ -650,28 +677,38 @@ class QuantizedWeight:
         num_groups, num_tiles = k // group, -(-n // width)
         per_super, fields = QK_K // group, 2 if has_min else 1
         num_super = num_groups // per_super
-        head = fields * width  # int8 multipliers per group
-        group_bytes = head + group * width * bits // 8
-        super_bytes = fields * 4 * width + per_super * group_bytes
+        packed = packed_multipliers(BlockFormat(bits, group, bool(has_min)))
+        head = 3 * width // 2 if packed else fields * width  # a group's multipliers
+        code_bytes = group * width * bits // 8
+        unit_bytes = fields * 2 * width
+        super_bytes = unit_bytes + per_super * (head + code_bytes)
         tiles = self.data[offset : offset + num_tiles * num_super * super_bytes]
         tiles = tiles.view(num_tiles, num_super, super_bytes)
-        units = tiles[..., : fields * 4 * width].contiguous().view(torch.float32)  # [T, S, fields * W]
-        grps = tiles[..., fields * 4 * width :].reshape(num_tiles, num_super, per_super, group_bytes)
-        mults = grps[..., :head].contiguous().view(torch.int8).float()  # [T, S, per_super, fields * W]
+        units = tiles[..., :unit_bytes].contiguous().view(torch.float16).float()  # [T, S, fields * W]
+        heads = tiles[..., unit_bytes : unit_bytes + per_super * head].reshape(
+            num_tiles, num_super, per_super, head
+        )
+        if packed:
+            nib, top = heads[..., :width].int(), heads[..., width:].int()
+            top = torch.cat([top & 15, top >> 4], dim=-1)  # [.., W]: 4 bits a row
+            mults = torch.cat([(nib & 15) | ((top & 3) << 4), (nib >> 4) | ((top >> 2) << 4)], dim=-1).float()
+        else:
+            mults = heads.contiguous().view(torch.int8).float()  # [T, S, per_super, fields * W]
         factor = units[:, :, None, :] * mults  # [T, S, per_super, fields * W]: exact products
         factor = factor.reshape(num_tiles, num_groups, 1, fields * width)
         scale = factor[..., :width]  # [T, G, 1, W]
-        codes = grps[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
+        raw = tiles[..., unit_bytes + per_super * head :].reshape(num_tiles, num_groups, code_bytes)
         if layout == LAYOUT_QUADS_FACTORED:
-            q = _from_nibble_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), width)
+            q = _from_nibble_quads(raw, width)
         elif layout == LAYOUT_BYTE_QUADS_FACTORED:
-            q = _from_byte_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), group, width)
+            q = _from_byte_quads(raw, group, width)
         elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
-            q = _from_six_bit_quads(grps[..., head:].reshape(num_tiles, num_groups, -1), group, width)
+            q = _from_six_bit_quads(raw, group, width)
         elif bits == 4:
+            codes = raw.reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W/2]
             q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
         else:
-            q = codes.contiguous().view(torch.int8).float()
+            q = raw.reshape(num_tiles, num_groups, group, -1).contiguous().view(torch.int8).float()
         w = torch.addcmul(factor[..., width:], q, scale) if has_min else q * scale
         return w.permute(0, 3, 1, 2).reshape(num_tiles * width, k)[:n]  # [T, W, G, group] -> rows
 

@@ -25,7 +25,7 @@
 // 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad),
 // layouts 6 and 7 the same in six bits a code (the meta's bits: 6);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
-// and mins as int8 multipliers of per-super-block fp32 units (Fmt's kFactored): the same values in fewer bytes.
+// and mins as multipliers of per-super-block fp16 units (Fmt's kFactored): the same values in the file's bytes.
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
@@ -73,23 +73,33 @@ inline void prefetch_group(const uint8_t* g, int64_t bytes) {
 
 // A group's format at compile time: where group g of a tile starts, its scales (and mins) as vectors, where the
 // codes of input d start, and the expansion of one input's kPanel codes into two vectors of weights (rows
-// 0..kLanes-1, kLanes..kPanel-1). kFactored (layout 2, the K-quants): the tile is super-blocks of 256 inputs,
-// each the kPanel fp32 units of its scales (then of its mins) and then its groups, each group's scales (mins)
-// being kPanel int8 multipliers of those units: scale = unit * multiplier, an fp16 times a small integer, exact
-// in fp32 and so the same value layout 0 stores, in 1 byte a row instead of 4 (Q4_K: 4.75 bits a weight, not 6).
+// 0..kLanes-1, kLanes..kPanel-1). kFactored (layouts 2, 4, 5, 7: the K-quants): the tile is super-blocks of 256
+// inputs, each its kPanel fp16 units of the scales (then of the mins), then every group's multipliers, then every
+// group's codes (a group is its codes alone); scale = unit * multiplier, an fp16 times a small integer, exact in fp32
+// and so the same value layout 0 stores. The multipliers are kPanel int8 per field, or, for groups of 32 with a min
+// (Q4_K, Q5_K: 6-bit scales and mins in the file), six bits each (kPacked: a byte of the two low nibbles per row,
+// then a byte of top bit pairs per two rows, simd::six_bit_pairs): Q4_K in its file's 4.5 bits a weight, Q6_K's
+// head in its file's 0.5625 bits.
 template <int Bits, int Group, bool kMin, bool kFactored = false>
 struct Fmt {
   static constexpr int kGroup = Group;
   static constexpr int kFields = kMin ? 2 : 1;                         // scales, and mins
-  static constexpr int64_t kHead = kFields * kPanel * (kFactored ? 1 : 4);  // per group: fp32, or int8 multipliers
+  static constexpr bool kPacked = kFactored && kMin && Group == 32;    // six-bit multiplier pairs
+  static constexpr int64_t kMultBytes = kPacked ? kPanel + kPanel / 2 : kFields * kPanel;  // a group's multipliers
+  static constexpr int64_t kHead = kFactored ? 0 : kFields * kPanel * 4;  // per group, before its codes: fp32 fields
   static constexpr int64_t kInputBytes = kPanel * Bits / 8;
   static constexpr int64_t kGroupBytes = kHead + Group * kInputBytes;
   static constexpr int64_t kPerSuper = kFactored ? 256 / Group : 1;  // groups per super-block
-  static constexpr int64_t kSuperHead = kFactored ? kFields * kPanel * 4 : 0;  // the units, fp32
+  static constexpr int64_t kUnitBytes = kFields * kPanel * 2;           // the fp16 units
+  static constexpr int64_t kSuperHead = kFactored ? kUnitBytes + kPerSuper * kMultBytes : 0;
   static constexpr int64_t kSuperBytes = kSuperHead + kPerSuper * kGroupBytes;
   static constexpr int64_t tile_bytes(int64_t num_groups) { return num_groups / kPerSuper * kSuperBytes; }
+  static const uint8_t* super(const uint8_t* tile, int64_t g) { return tile + (g / kPerSuper) * kSuperBytes; }
   static const uint8_t* group(const uint8_t* tile, int64_t g) {
-    return tile + (g / kPerSuper) * kSuperBytes + kSuperHead + (g % kPerSuper) * kGroupBytes;
+    return super(tile, g) + kSuperHead + (g % kPerSuper) * kGroupBytes;
+  }
+  static const uint8_t* multipliers(const uint8_t* tile, int64_t g) {
+    return super(tile, g) + kUnitBytes + (g % kPerSuper) * kMultBytes;
   }
 
   struct Params {
@@ -97,16 +107,22 @@ struct Fmt {
   };
   static Params params(const uint8_t* tile, int64_t g) {
     using namespace simd;
-    const uint8_t* grp = group(tile, g);
     Params p{zero(), zero(), zero(), zero()};
     if constexpr (kFactored) {
-      const float* u = reinterpret_cast<const float*>(tile + (g / kPerSuper) * kSuperBytes);
-      p.s0 = mul(load(u), i8_to_float(grp)), p.s1 = mul(load(u + kLanes), i8_to_float(grp + kLanes));
-      if constexpr (kMin)
-        p.m0 = mul(load(u + kPanel), i8_to_float(grp + kPanel)),
-        p.m1 = mul(load(u + kPanel + kLanes), i8_to_float(grp + kPanel + kLanes));
+      const uint16_t* u = reinterpret_cast<const uint16_t*>(super(tile, g));
+      const uint8_t* mult = multipliers(tile, g);
+      if constexpr (kPacked) {
+        six_bit_pairs(mult, mult + kPanel, p.s0, p.s1, p.m0, p.m1);
+        p.s0 = mul(load_f16(u), p.s0), p.s1 = mul(load_f16(u + kLanes), p.s1);
+        p.m0 = mul(load_f16(u + kPanel), p.m0), p.m1 = mul(load_f16(u + kPanel + kLanes), p.m1);
+      } else {
+        p.s0 = mul(load_f16(u), i8_to_float(mult)), p.s1 = mul(load_f16(u + kLanes), i8_to_float(mult + kLanes));
+        if constexpr (kMin)
+          p.m0 = mul(load_f16(u + kPanel), i8_to_float(mult + kPanel)),
+          p.m1 = mul(load_f16(u + kPanel + kLanes), i8_to_float(mult + kPanel + kLanes));
+      }
     } else {
-      const float* f = reinterpret_cast<const float*>(grp);
+      const float* f = reinterpret_cast<const float*>(group(tile, g));
       p.s0 = load(f), p.s1 = load(f + kLanes);
       if constexpr (kMin) p.m0 = load(f + kPanel), p.m1 = load(f + kPanel + kLanes);
     }
@@ -136,9 +152,14 @@ struct Fmt {
       q0 = i8_to_float(c), q1 = i8_to_float(c + kLanes);
   }
   static constexpr bool kHasMin = kMin;
-  // group g's bytes. Not its super-block's units: prefetching those too (two lines every 8 or 16 groups) made the
-  // one-row kernel 20-25% slower on Zen 3 (AVX2, gate/up 1536 -> 17920), the stream prefetcher brings them anyway.
-  static void prefetch(const uint8_t* tile, int64_t g) { prefetch_group(group(tile, g), kGroupBytes); }
+  // group g's share of the stream, kQPrefetchBytes ahead: its bytes, or (factored) its 1/kPerSuper of its
+  // super-block, head included, so the heads are fetched ahead as the codes are.
+  static void prefetch(const uint8_t* tile, int64_t g) {
+    if constexpr (kFactored)
+      prefetch_group(super(tile, g) + (g % kPerSuper) * (kSuperBytes / kPerSuper), kSuperBytes / kPerSuper);
+    else
+      prefetch_group(group(tile, g), kGroupBytes);
+  }
   static_assert(!kMin || Group == 32 || Group == 16, "the one-row path has x's sums over groups of 32 and 16");
   // the weight of tile row r (< kPanel) in group g at input d, as a scalar: the embedding lookup's path
   static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
@@ -152,14 +173,22 @@ struct Fmt {
   }
   // code q of tile row r in group g as its weight: q * scale (+ min), one rounding
   static float scaled(const uint8_t* tile, int64_t g, int64_t r, float q) {
-    const uint8_t* grp = group(tile, g);
     float scale, minimum = 0.f;
     if constexpr (kFactored) {
-      const float* u = reinterpret_cast<const float*>(tile + (g / kPerSuper) * kSuperBytes);
-      scale = u[r] * static_cast<float>(static_cast<int8_t>(grp[r]));
-      if (kMin) minimum = u[kPanel + r] * static_cast<float>(static_cast<int8_t>(grp[kPanel + r]));
+      const uint16_t* u = reinterpret_cast<const uint16_t*>(super(tile, g));
+      const uint8_t* mult = multipliers(tile, g);
+      float sm, mm = 0.f;  // the multipliers
+      if constexpr (kPacked) {
+        const int half = kPanel / 2, hi = mult[kPanel + r % half] >> (r < half ? 0 : 4);
+        sm = float((mult[r] & 15) | ((hi & 3) << 4)), mm = float((mult[r] >> 4) | ((hi & 12) << 2));
+      } else {
+        sm = float(static_cast<int8_t>(mult[r]));
+        if (kMin) mm = float(static_cast<int8_t>(mult[kPanel + r]));
+      }
+      scale = c10::detail::fp16_ieee_to_fp32_value(u[r]) * sm;
+      if (kMin) minimum = c10::detail::fp16_ieee_to_fp32_value(u[kPanel + r]) * mm;
     } else {
-      const float* f = reinterpret_cast<const float*>(grp);
+      const float* f = reinterpret_cast<const float*>(group(tile, g));
       scale = f[r];
       if (kMin) minimum = f[kPanel + r];
     }
@@ -357,8 +386,8 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
 constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
 
 // The 4-bit format in its quad layout (meta layouts 1 and 5), for 8-bit activations: per group, the kPanel scales
-// and mins (layout 5: a K-quant's, as layout 2 keeps them: int8 multipliers of per-super-block units, 4.75 bits a
-// weight instead of 6), then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4
+// and mins (layout 5: a K-quant's, as layout 2 keeps them in its super-block's head: six-bit multipliers of fp16
+// units, Q4_K's 4.5 bits a weight instead of 6), then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4
 // (low nibble) and row kPanel / 2 + j / 4 (high nibble) at input 4u + j % 4. One load and two masks give simd::qdot
 // its operands.
 template <bool kFactored>
@@ -391,8 +420,8 @@ using Q4Quad = Q4QuadT<false>;
 // operand). The integer sums take kBias times the activations' code sum back: each group's dot product of codes
 // and 8-bit activations exact, as llama.cpp computes Q6_K times Q8_K.
 // kCodeBits 6 (meta layouts 6 and 7, what the loader writes): the same quads in six bits a code, 3 * kPanel bytes
-// each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): Q6_K in its file's 6.6 bits a weight
-// instead of 8.6, the same codes, the same sums.
+// each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): with layout 2's head (layout 7), Q6_K in
+// its file's 6.5625 bits a weight instead of 8.6, the same codes, the same sums.
 template <int Group, bool kMin, bool kFactored, int kCodeBits = 8>
 struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored> {
   static_assert(kCodeBits == 8 || kCodeBits == 6, "byte quads are 8 or 6 bits a code");

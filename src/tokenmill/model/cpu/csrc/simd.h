@@ -155,6 +155,17 @@ inline __m512i load_s8_as_i32(const int8_t* p) {
 inline __m512i load_u8_as_i32(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// Six-bit multipliers in pairs (quant_linear.h's packed K-quant scales and mins): for 2 * kLanes rows, `nib` holds
+// byte r = scale r's low nibble | min r's low nibble << 4, `hi` (kLanes bytes) byte i = the top two bits of scale i,
+// min i, scale i + kLanes, min i + kLanes, two bits each from bit 0. Out: the four vectors of values 0..63.
+inline void six_bit_pairs(const uint8_t* nib, const uint8_t* hi, Vec& s0, Vec& s1, Vec& m0, Vec& m1) {
+  const __m512i n0 = load_u8_as_i32(nib), n1 = load_u8_as_i32(nib + kLanes), h = load_u8_as_i32(hi);
+  const __m512i c15 = _mm512_set1_epi32(15), c48 = _mm512_set1_epi32(48);
+  s0 = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(n0, c15), _mm512_and_si512(_mm512_slli_epi32(h, 4), c48)));
+  m0 = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(n0, 4), _mm512_and_si512(_mm512_slli_epi32(h, 2), c48)));
+  s1 = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(n1, c15), _mm512_and_si512(h, c48)));
+  m1 = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(n1, 4), _mm512_and_si512(_mm512_srli_epi32(h, 2), c48)));
+}
 inline Vec i32_to_float(__m512i a) { return _mm512_cvtepi32_ps(a); }
 // fp8 e4m3 bits (in int32 lanes) as fp32: sign to bit 31, exponent and mantissa to bits 26..20, then times 2^120
 // (the exponent biases 127 and 7 apart); a subnormal lands on an fp32 subnormal and comes out exact too
@@ -283,6 +294,14 @@ inline __m256i load_s8_as_i32(const int8_t* p) {
 }
 inline __m256i load_u8_as_i32(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline void six_bit_pairs(const uint8_t* nib, const uint8_t* hi, Vec& s0, Vec& s1, Vec& m0, Vec& m1) {  // as AVX-512's
+  const __m256i n0 = load_u8_as_i32(nib), n1 = load_u8_as_i32(nib + kLanes), h = load_u8_as_i32(hi);
+  const __m256i c15 = _mm256_set1_epi32(15), c48 = _mm256_set1_epi32(48);
+  s0 = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(n0, c15), _mm256_and_si256(_mm256_slli_epi32(h, 4), c48)));
+  m0 = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(n0, 4), _mm256_and_si256(_mm256_slli_epi32(h, 2), c48)));
+  s1 = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(n1, c15), _mm256_and_si256(h, c48)));
+  m1 = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(n1, 4), _mm256_and_si256(_mm256_srli_epi32(h, 2), c48)));
 }
 inline Vec i32_to_float(__m256i a) { return _mm256_cvtepi32_ps(a); }
 inline Vec f8e4m3_bits_to_float(__m256i x) {
@@ -448,6 +467,13 @@ inline Vec load_bf16(const uint16_t* p) {
   Vec r;
   for (int i = 0; i < kLanes; ++i) r[i] = c10::detail::f32_from_bits(p[i]);
   return r;
+}
+inline void six_bit_pairs(const uint8_t* nib, const uint8_t* hi, Vec& s0, Vec& s1, Vec& m0, Vec& m1) {
+  for (int i = 0; i < kLanes; ++i) {
+    const int n0 = nib[i], n1 = nib[i + kLanes], h = hi[i];
+    s0[i] = float((n0 & 15) | ((h & 3) << 4)), m0[i] = float((n0 >> 4) | ((h & 12) << 2));
+    s1[i] = float((n1 & 15) | (h & 48)), m1[i] = float((n1 >> 4) | ((h >> 2) & 48));
+  }
 }
 inline void store_i8(int8_t* p, Vec a) {
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(a[i]);
