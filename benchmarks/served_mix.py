@@ -3,7 +3,7 @@
     python -m benchmarks.served_mix --model qwen2.5-coder-1.5b-instruct --num-requests 16 \\
         --llama-server ~/peers/.../build/bin/llama-server
 
-The workload of issue 25: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
+The workload: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
 output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
 same number of tokens. tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
 HTTP) on its default arithmetic (``--quantizations default,gguf`` adds the exact path); llama.cpp

@@ -1,4 +1,4 @@
-"""Issue 29 on the embedded model: per-request timings, OTLP spans, record and replay.
+"""Observability on the embedded model: per-request timings, OTLP spans, record and replay.
 
 The app runs in-process (httpx's ASGI transport) over a real Engine, with the traffic recorder and the tracer
 attached as ``tokenmill serve --record --otlp-traces-endpoint`` attaches them; the spans go over real OTLP/HTTP
