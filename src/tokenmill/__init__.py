@@ -20,10 +20,11 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 # batch 64 here). Set THP_MEM_ALLOC_ENABLE=0 to turn it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

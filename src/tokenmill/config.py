@@ -169,6 +169,7 @@ class SchedulerConfig:
     # False: a prompt is admitted only when all of it fits the step's token budget (an encoder's bidirectional
     # attention needs every token of the row in one forward)
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # distinct LoRA adapters among the running requests (0: adapters off)
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -230,6 +231,12 @@ class EngineConfig:
     # (measured once per machine and kept in the cache directory, model/hardware_cache.py: the server's default),
     # "measure" (now, and cached), or "GFLOPS,GBS"
     hardware_limits: str | None = None
+    # LoRA adapters (model/lora.py; vLLM's options): off unless enabled; at most max_loras adapters in one step
+    # (each a slot of max_lora_rank per projection), at most max_cpu_loras kept loaded (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -269,6 +276,14 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
         if self.hardware_limits not in HARDWARE_LIMIT_MODES:
             parse_hardware_limits(self.hardware_limits)  # ValueError now, not at load
         if self.tensor_parallel_size > 1 and self.quantization not in (None, "fp32"):

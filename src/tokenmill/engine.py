@@ -38,6 +38,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.cost_model import ModelShape
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import CONSTRAINT_FAILED, BadRequestError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.roofline import MachineLimits, StepRoofline, step_kind
@@ -142,12 +143,14 @@ class Engine:
             )
         self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
         self.runner: Any
+        self.lora_manager: Any = None
         if self.is_pooling:
             from tokenmill.worker.pooling_runner import PoolingRunner
 
             self.runner = PoolingRunner(loaded)
         else:
             spec = config.speculative_config
+            self.lora_manager = self._build_lora_manager()
             self.runner = ModelRunner(
                 loaded,
                 self.num_total_blocks,
@@ -158,6 +161,7 @@ class Engine:
                 draft=self.draft,
                 draft_p_min=spec.resolved_draft_p_min if isinstance(spec, SpeculativeConfig) else 0.0,
                 kv_dtype=self.kv_dtype,
+                lora_manager=self.lora_manager,
             )
         self.kv_disk = self._build_kv_disk_tier()
         self.stats = EngineStats()
@@ -168,6 +172,32 @@ class Engine:
         self._ids = itertools.count()
         self._structured_outputs: Any = None
         self._structured_lock = threading.Lock()
+
+    def _build_lora_manager(self) -> Any:
+        if not self.config.enable_lora:
+            return None
+        from tokenmill.worker.lora_manager import LoRAManager
+
+        c = self.config
+        return LoRAManager(self.loaded.config, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+
+    def add_lora(self, lora_request: LoRARequest) -> Any:
+        """Load an adapter (vLLM's ``add_lora``); its ``LoRAAdapter``. BadRequestError (a ValueError) when LoRA is
+        off or the adapter does not load onto this model."""
+        if self.lora_manager is None:
+            raise BadRequestError("LoRA adapters need enable_lora=True (--enable-lora)", param="lora_request")
+        try:
+            return self.lora_manager.add(lora_request)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="lora_request") from None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False when unknown. BadRequestError while a request still runs with it."""
+        if self.lora_manager is None:
+            return False
+        if any(r.lora_id == lora_int_id for r in self._requests.values()):
+            raise BadRequestError(f"LoRA adapter {lora_int_id} still has requests running", param="lora_name")
+        return bool(self.lora_manager.remove(lora_int_id))
 
     def _size_kv_pool(self) -> None:
         """The KV pool: ``num_kv_blocks``, else as many blocks as the memory budget holds (per rank under tensor
@@ -212,6 +242,7 @@ class Engine:
             reserve=config.reserve,
             max_num_preemptions=config.max_num_preemptions,
             enable_chunked_prefill=not self.is_pooling,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self.cache_config = CacheConfig(block_size=config.block_size, num_blocks=self.num_total_blocks)
         model_config = loaded.config
@@ -375,12 +406,14 @@ class Engine:
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
         grammar: Any = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; BadRequestError (a ValueError) naming the field for bad input (empty or
         out-of-vocabulary prompt, too long, duplicate id, a constraint that does not compile).
 
         ``params`` None: :meth:`default_sampling_params` (the model's generation defaults). ``grammar``: the
-        request's constraint compiled already (:meth:`structured_outputs`), else it is compiled here."""
+        request's constraint compiled already (:meth:`structured_outputs`), else it is compiled here.
+        ``lora_request``: the LoRA adapter to run with (loaded now if it is not; needs ``enable_lora``)."""
         params = params or self.default_sampling_params()
         if self.is_pooling and params.max_tokens != 0:
             raise BadRequestError(
@@ -405,6 +438,7 @@ class Engine:
             self._check_vocab(tok, "stop_token_ids")
         for tok in params.logit_bias:
             self._check_vocab(tok, "logit_bias")
+        adapter = None if lora_request is None else self.add_lora(lora_request)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -413,6 +447,8 @@ class Engine:
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             prompt=text,
             cache_salt=cache_salt,
+            lora_id=0 if lora_request is None else lora_request.lora_int_id,
+            lora_key=None if adapter is None else adapter.digest,
             # a bad constraint raises ValueError here, before the request is queued
             grammar=None
             if params.structured_outputs is None
@@ -677,9 +713,14 @@ class Engine:
         return [output.embedding for output in outputs if output.embedding is not None]
 
     def generate(
-        self, prompts: Prompts, params: ParamsArg = None, use_tqdm: bool = False
+        self,
+        prompts: Prompts,
+        params: ParamsArg = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; one RequestOutput per prompt, in order."""
+        """Run prompts to completion; one RequestOutput per prompt, in order. ``lora_request``: one adapter for
+        every prompt, or one (or None) per prompt."""
         prompt_list = as_prompt_list(prompts)
         if isinstance(params, Sequence):
             if len(params) != len(prompt_list):
@@ -687,7 +728,16 @@ class Engine:
             param_list = list(params)
         else:
             param_list = [params or self.default_sampling_params()] * len(prompt_list)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        if isinstance(lora_request, Sequence):
+            if len(lora_request) != len(prompt_list):
+                raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompt_list)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompt_list)
+        ids = [
+            self.add_request(p, sp, lora_request=lora)
+            for p, sp, lora in zip(prompt_list, param_list, loras, strict=True)
+        ]
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

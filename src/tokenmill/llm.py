@@ -7,6 +7,7 @@ from typing import Any
 
 from tokenmill.config import OFFLINE_BATCHED_TOKENS, SPECULATION_AUTO, EngineConfig
 from tokenmill.engine import Engine, ParamsArg, Prompt, Prompts, as_prompt_list
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 
 Message = dict[str, Any]
@@ -33,11 +34,21 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: Prompts, sampling_params: ParamsArg = None, use_tqdm: bool = True
+        self,
+        prompts: Prompts,
+        sampling_params: ParamsArg = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt (strings or lists of token ids), in order."""
+        """One RequestOutput per prompt (strings or lists of token ids), in order. ``lora_request``: a LoRA
+        adapter for every prompt, or one (or None) per prompt (``LLM(..., enable_lora=True)``)."""
         prompt_list = as_prompt_list(prompts)
-        return self.engine.generate(prompt_list, sampling_params, use_tqdm=use_tqdm and len(prompt_list) > 1)
+        return self.engine.generate(
+            prompt_list,
+            sampling_params,
+            use_tqdm=use_tqdm and len(prompt_list) > 1,
+            lora_request=lora_request,
+        )
 
     def embed(self, prompts: Prompts) -> list[list[float]]:
         """An embedding model's vector per prompt (strings or lists of token ids), in order."""
@@ -49,6 +60,7 @@ class LLM:
         sampling_params: ParamsArg = None,
         use_tqdm: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         ``chat_template_kwargs``: more variables for the template (``{"enable_thinking": False}`` for Qwen3)."""
@@ -60,5 +72,5 @@ class LLM:
             prompts.append(
                 self.engine.tokenizer.encode_chat(list(conversation), template_kwargs=chat_template_kwargs)  # type: ignore[arg-type]
             )
-        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outputs

@@ -94,6 +94,10 @@ class Request:
     # all_token_ids so far, how many blocks of block_ids are in the cache's map, and the prompt tokens the
     # first admission found cached (OpenAI's usage.prompt_tokens_details.cached_tokens).
     cache_salt: str | None = None  # requests with different salts never share blocks
+    lora_id: int = 0  # its LoRA adapter's id (0: the base model); set at creation
+    lora_key: str | None = (
+        None  # the adapter's weights digest: requests of different adapters never share blocks
+    )
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int = 0

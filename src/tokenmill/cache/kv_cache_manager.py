@@ -15,7 +15,8 @@ Two admission policies (``reserve``):
 
 Prefix caching (``enable_caching``): a full block's identity is a hash chained over its parent's hash and
 its token ids, ``sha256(parent || int32 token ids)``, where the first block's parent is the sha256 of the
-request's ``cache_salt`` (empty when unsalted). SHA-256 is collision resistant, so two different token prefixes sharing a block by
+request's ``cache_salt`` (empty when unsalted) and, for a request with a LoRA adapter, the adapter's weights digest
+(the same tokens under two adapters have different KV). SHA-256 is collision resistant, so two different token prefixes sharing a block by
 accident is not a practical risk (a 64-bit hash would be, at scale). :meth:`find_cached_prefix` returns the
 longest run of cached blocks at the start of a request (never its last token: one token is always computed,
 so that there are logits to sample from); :meth:`allocate_slots` takes them with the first allocation;
@@ -249,7 +250,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else hashlib.sha256((request.cache_salt or "").encode()).digest()
+            parent = hashes[-1] if hashes else _root_hash(request)
             block = tokens[i * bs : (i + 1) * bs]
             request.add_block_hash(hashlib.sha256(parent + struct.pack(f"<{bs}i", *block)).digest())
         return hashes[:num_blocks]
@@ -371,3 +372,11 @@ class KVCacheManager:
         for b, n in owners.items():
             if self.pool.ref_count(b) != n:
                 raise RuntimeError(f"block {b}: reference count {self.pool.ref_count(b)}, {n} owner(s)")
+
+
+def _root_hash(request: Request) -> bytes:
+    """The first block's parent: the salt's sha256, with the LoRA adapter's digest when the request has one."""
+    root = (request.cache_salt or "").encode()
+    if request.lora_key is not None:
+        root += b"\x00lora:" + request.lora_key.encode()
+    return hashlib.sha256(root).digest()

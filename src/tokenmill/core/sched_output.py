@@ -36,6 +36,7 @@ class IdleReason(enum.Enum):
     TOKEN_BUDGET = "token_budget"  # max_num_batched_tokens spent
     PREEMPTED = "preempted"  # admission paused because this step preempted
     MAX_NUM_SEQS = "max_num_seqs"  # rows beyond max_num_seqs that a wider batch would have filled
+    LORA_SLOTS = "lora_slots"  # every waiting request's LoRA adapter would be one past max_loras
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ScheduledRow:
     # Speculative decoding: the last token_ids are this many proposed tokens to verify (the row samples at
     # each of its 1 + num_spec_tokens positions; ModelRunnerOutput.verified holds what was kept)
     num_spec_tokens: int = 0
+    lora_id: int = 0  # the request's LoRA adapter (LoRARequest.lora_int_id; 0: the base model)
 
     @property
     def spec_token_ids(self) -> list[int]:

@@ -210,7 +210,10 @@ class Scheduler:
                 return IdleReason.MAX_NUM_SEQS  # no free row: the reason is never counted
             if budget <= 0:
                 return IdleReason.TOKEN_BUDGET
-            request = self.waiting[0]
+            index = self._next_admissible()
+            if index is None:
+                return IdleReason.LORA_SLOTS
+            request = self.waiting[index]
             # The longest cached prefix counts as computed. A request that wants prompt logprobs skips the
             # cache: its logprobs need the logits of every prompt position.
             use_cache = self.kv.enable_caching and request.sampling_params.prompt_logprobs is None
@@ -232,13 +235,24 @@ class Scheduler:
                 out.record.num_prefix_queried_tokens += request.num_tokens
                 out.record.num_prefix_hit_tokens += request.num_computed_tokens
                 request.record_cache_hit()
-            self.waiting.popleft()
+            del self.waiting[index]
             request.transition(RequestStatus.RUNNING)
             request.mark_scheduled(self._now_s)
             self.running.append(request)
             out.record.admitted_ids.append(request.request_id)
             out.rows.append(self._make_row(request, num_new, out.record))
             budget -= num_new
+
+    def _next_admissible(self) -> int | None:
+        """The waiting request to admit next: the head, unless its LoRA adapter would be one more than
+        ``max_loras`` among the running requests; then the first after it that is not (None: none is)."""
+        if not self.config.max_loras:
+            return 0
+        running = {r.lora_id for r in self.running if r.lora_id}
+        for index, request in enumerate(self.waiting):
+            if not request.lora_id or request.lora_id in running or len(running) < self.config.max_loras:
+                return index
+        return None
 
     def _make_row(
         self, request: Request, num_new: int, record: StepRecord, spec: list[int] | None = None
@@ -265,6 +279,7 @@ class Scheduler:
             sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
             is_prefill=not is_decode,
             num_spec_tokens=len(spec),
+            lora_id=request.lora_id,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

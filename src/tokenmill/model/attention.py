@@ -74,6 +74,7 @@ class AttentionMetadata:
     host_block_tables: list[list[int]]  # the same tables as lists (entries past a window made valid ids)
     plan: AttentionPlan | None = None  # the backend's, shared by all layers
     ops: Any = None  # the fused elementwise kernels the layers use (None: torch ops)
+    lora: Any = None  # the step's LoRA adapters (model.lora.StepLoRA; None: none), added to each projection
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,12 @@ PackedMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
+def project(linear: nn.Module, x: torch.Tensor, lora: Any, layer: int, name: str) -> torch.Tensor:
+    """``linear(x)``, plus each row's LoRA delta when the step has adapters (``lora``: a ``model.lora.StepLoRA``)."""
+    out = linear(x)
+    return out if lora is None else lora.add(layer, name, x, out)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` without random init (bias off unless asked): a loader fills the weight.
 
@@ -169,6 +175,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -186,7 +193,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qkv = project(self.qkv_proj, x, meta.lora, self.layer, "qkv_proj")  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
         cos, sin = rope
         ops = meta.ops
@@ -219,25 +226,31 @@ class LlamaAttention(nn.Module):
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale, window=self.window)  # [T, Hq, D]
-        return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
+        return project(
+            self.o_proj, out.view(num_tokens, q_size), meta.lora, self.layer, "o_proj"
+        )  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_tanh"
 
-    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+    def forward(self, x: torch.Tensor, ops: Any = None, lora: Any = None) -> torch.Tensor:
+        """``lora``: the step's adapters (``model.lora.StepLoRA``), None without."""
+        gate_up = project(self.gate_up_proj, x, lora, self.layer, "gate_up_proj")  # [T, 2 * intermediate]
         if self.gelu:  # GeGLU (Gemma)
             gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if ops is not None and gate_up.is_contiguous():
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+            hidden = F.gelu(gate, approximate="tanh") * up
+        elif ops is not None and gate_up.is_contiguous():
+            hidden = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
+            hidden = F.silu(gate) * up
+        return project(self.down_proj, hidden, lora, self.layer, "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -250,7 +263,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norms else None
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layer)
         self.rope_index = 1 if config.layer_rope_local(layer) else 0  # which of the model's RoPE tables
 
     def forward(
@@ -263,13 +276,13 @@ class LlamaDecoderLayer(nn.Module):
         post_norm = self.post_attention_layernorm
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             x = x + post_norm(attn_out, ops)  # Gemma 3: each block's output normed before the residual add
-            mlp_out = self.mlp(self.pre_feedforward_layernorm(x, ops), ops)
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(x, ops), ops, meta.lora)
             return x + self.post_feedforward_layernorm(mlp_out, ops)
         if ops is not None and attn_out.is_contiguous():  # x += attn_out, then the norm, in one pass
             normed = ops.add_rms_norm_(x, attn_out, post_norm.weight, post_norm.eps)
-            return x + self.mlp(normed, ops)
+            return x + self.mlp(normed, ops, meta.lora)
         x = x + attn_out
-        return x + self.mlp(post_norm(x), ops)
+        return x + self.mlp(post_norm(x), ops, meta.lora)
 
 
 class LlamaModel(nn.Module):
@@ -337,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
             self._rope_cos_sin(inv_freq, positions, x.dtype, scale)
             for inv_freq, scale in zip(self._inv_freqs, self._rope_scales)
         ]
-        fused = self.compute_backend().fused_step(meta)
+        fused = self.compute_backend().fused_step(meta) if meta.lora is None else None
         if fused is not None:  # the whole step in one call (the backend's decode stack)
             return fused(x, ropes[0], meta, kv_caches)
         for layer, kv_cache in zip(self.model.layers, kv_caches):

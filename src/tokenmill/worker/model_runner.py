@@ -28,9 +28,11 @@ def forward_rows(
     kv_caches: list[KVCache],
     block_size: int,
     device: torch.device | str,
+    lora: Any = None,
 ) -> torch.Tensor:
     """The model over a schedule's rows as one flat batch -> hidden states ``[num_tokens, hidden]``; rank 0 and
-    every tensor-parallel worker run this same function on the same rows."""
+    every tensor-parallel worker run this same function on the same rows. ``lora``: the step's adapters
+    (``model.lora.StepLoRA``), None when no row has one."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens: list[int] = []
@@ -50,6 +52,7 @@ def forward_rows(
             seq_lens.extend(range(row.start_position + 1, row.seq_len + 1))
             block_tables.extend([row.block_ids] * row.num_new_tokens)
     meta = model.plan_attention(query_lens, seq_lens, block_tables, block_size)
+    meta.lora = lora
     input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)  # [T]
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
     return model(input_ids_t, positions_t, meta, kv_caches)  # type: ignore[no-any-return]
@@ -67,12 +70,14 @@ class ModelRunner:
         draft: LoadedModel | None = None,
         draft_p_min: float = DEFAULT_DRAFT_P_MIN,
         kv_dtype: torch.dtype | None = None,
+        lora_manager: Any = None,
     ) -> None:
         """``requests``: the engine's table of live requests, read (never written) for their sampling state.
         ``tp_group``: a :class:`~tokenmill.worker.tensor_parallel.TensorParallelGroup` (rank 0 of a
         tensor-parallel model: the KV cache holds this rank's heads, each step's rows go to the workers).
         ``draft``: speculative decoding's draft model (its KV in its own tensors, same block ids), ending a
-        row's proposal at a token it gives less than ``draft_p_min``."""
+        row's proposal at a token it gives less than ``draft_p_min``. ``lora_manager``: the LoRA adapters
+        (``worker/lora_manager.py``), None with LoRA off."""
         self.loaded = loaded
         self.requests = requests
         self.tp_group = tp_group
@@ -85,6 +90,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or loaded.dtype  # the KV cache's elements (EngineConfig.kv_cache_dtype)
         self.kv_caches = allocate_kv_cache(kv_config, num_blocks, block_size, self.kv_dtype, loaded.device)
         self.sampler = Sampler(seed)
+        self.lora_manager = lora_manager
+        self.num_steps = 0
         self.drafter = None  # speculative decoding's draft model (worker/drafter.py): fills rows' draft slots
         if draft is not None:
             from tokenmill.worker.drafter import Drafter
@@ -105,7 +112,9 @@ class ModelRunner:
             rows = filled
         if self.tp_group is not None:  # the workers run the same forward on their shards
             self.tp_group.broadcast(rows)
-        hidden = forward_rows(self.model, rows, self.kv_caches, self.block_size, self.device)  # [T, H]
+        self.num_steps += 1
+        lora = None if self.lora_manager is None else self.lora_manager.step(rows, self.num_steps)
+        hidden = forward_rows(self.model, rows, self.kv_caches, self.block_size, self.device, lora)  # [T, H]
         query_start_loc = [0, *accumulate(row.num_new_tokens for row in rows)]
         requests = [self.requests[row.request_id] for row in rows]
         self._sample(rows, requests, hidden, query_start_loc, output)

@@ -1,0 +1,257 @@
+"""LoRA adapters on the decoder's fused projections: loaded from PEFT folders, kept in slots, applied per row.
+
+An adapter adds ``scale * x @ A^T @ B^T`` to a projection's output (``A [r, in]``, ``B [out, r]``; ``scale`` is
+``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA). The decoder fuses q, k, v into ``qkv_proj`` and gate,
+up into ``gate_up_proj``; an adapter's parts of one fused projection are stacked: ``A`` of q, k and v one above
+the other (``[3r, in]``) and their ``B`` as one block-diagonal ``[out, 3r]``, so a fused projection takes its whole
+adapter in two matmuls.
+
+Serving many adapters at once (:class:`LoRASlots`): ``max_loras`` slots per projection, each ``[width, in]`` for
+A and ``[out, width]`` for B (``width`` = parts x ``max_lora_rank``; a smaller rank leaves zero columns). A step
+whose rows use adapters runs each projection once for every row (the base weights, whatever their arithmetic),
+then every slot's A over every row, masked to each row's own slot, then B: rows of the base model and of several
+adapters share one batch, and each row gets exactly its own adapter's delta (the mask zeroes the rest before B).
+The extra work is ``max_loras * width`` columns per projection: a few percent of a projection's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.model.config import LlamaConfig
+
+# tokenmill's fused projections and the Hugging Face modules each is made of, in row order
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+PART_OF = {part: fused for fused, parts in FUSED_PARTS.items() for part in parts}
+# checkpoints that come fused (Phi-3) name the fused module itself
+PART_OF.update({"qkv_proj": "qkv_proj", "gate_up_proj": "gate_up_proj"})
+_SUPPORTED_CONFIG = {"lora", "LORA"}
+
+
+def part_shapes(config: LlamaConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """Per fused projection, its parts as (name, rows, in_features), in row order."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    return {
+        "qkv_proj": [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h)],
+        "o_proj": [("o_proj", h, q)],
+        "gate_up_proj": [("gate_proj", inter, h), ("up_proj", inter, h)],
+        "down_proj": [("down_proj", h, inter)],
+    }
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights: ``weights[(layer, fused)] = (A [parts * r, in], B [out, parts * r])``, B scaled."""
+
+    name: str
+    rank: int
+    path: str
+    digest: str  # sha256 of the weights file: the prefix cache keeps adapters apart by it
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"LoRA adapter {path}: no adapter_config.json (a PEFT adapter folder is expected)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"LoRA adapter {path}: adapter_config.json is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {path}: adapter_config.json must hold an object")
+    return config
+
+
+def _check_config(path: Path, config: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """(rank, scale) from a PEFT config, or ValueError for what tokenmill does not apply."""
+    if str(config.get("peft_type", "LORA")) not in _SUPPORTED_CONFIG:
+        raise ValueError(f"LoRA adapter {path}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, allowed in (
+        ("use_dora", (False, None)),
+        ("bias", ("none", None)),
+        ("fan_in_fan_out", (False, None)),
+    ):
+        if config.get(key) not in allowed:
+            raise ValueError(f"LoRA adapter {path}: {key}={config.get(key)!r} is not supported")
+    if config.get("modules_to_save"):
+        raise ValueError(f"LoRA adapter {path}: modules_to_save {config['modules_to_save']} is not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(
+            f"LoRA adapter {path}: per-module ranks (rank_pattern, alpha_pattern) are not supported"
+        )
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"LoRA adapter {path}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {path}: rank {rank} is above max_lora_rank {max_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"LoRA adapter {path}: lora_alpha must be a number, got {alpha!r}")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scale)
+
+
+def _module_key(path: Path, key: str, num_layers: int) -> tuple[int, str, str]:
+    """A PEFT tensor name -> (layer, module, "lora_A" | "lora_B")."""
+    parts = key.split(".")
+    try:
+        which = parts[-2]
+        layer = int(parts[parts.index("layers") + 1])
+        module = parts[-3]
+    except (ValueError, IndexError):
+        raise ValueError(f"LoRA adapter {path}: tensor {key!r} is not a layer's projection") from None
+    if which not in ("lora_A", "lora_B") or parts[-1] != "weight":
+        raise ValueError(f"LoRA adapter {path}: tensor {key!r} is not a lora_A / lora_B weight")
+    if module not in PART_OF:
+        raise ValueError(f"LoRA adapter {path}: target module {module!r} is not one this model has "
+                         f"(it takes {', '.join(sorted(PART_OF))})")  # fmt: skip
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"LoRA adapter {path}: layer {layer} is past the model's {num_layers} layers")
+    return layer, module, which
+
+
+def load_peft_adapter(name: str, path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAAdapter:
+    """A PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) on this model's projections.
+    ValueError for a rank above ``max_rank``, modules the model does not have, and shapes of another base model."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    rank, scale = _check_config(folder, read_adapter_config(folder), max_rank)
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise ValueError(f"LoRA adapter {folder}: no adapter_model.safetensors")
+    raw = load_file(str(weights_file))
+    digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in raw.items():
+        layer, module, which = _module_key(folder, key, config.num_hidden_layers)
+        found.setdefault((layer, module), {})[which] = tensor.float()
+    adapter = LoRAAdapter(name=name, rank=rank, path=str(folder), digest=digest)
+    shapes = part_shapes(config)
+    for fused, parts in shapes.items():
+        for layer in range(config.num_hidden_layers):
+            pair = _fused_pair(folder, found, layer, fused, parts, rank, scale)
+            if pair is not None:
+                adapter.weights[(layer, fused)] = pair
+    if not adapter.weights:
+        raise ValueError(f"LoRA adapter {folder}: no lora_A / lora_B weights")
+    return adapter
+
+
+def _fused_pair(
+    folder: Path,
+    found: dict[tuple[int, str], dict[str, torch.Tensor]],
+    layer: int,
+    fused: str,
+    parts: list[tuple[str, int, int]],
+    rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One fused projection's stacked A and block-diagonal, scaled B for one layer (None: the adapter leaves it)."""
+    if (layer, fused) in found and len(parts) > 1:  # a checkpoint with the fused module (Phi-3)
+        parts = [(fused, sum(p[1] for p in parts), parts[0][2])]
+    if not any((layer, p[0]) in found for p in parts):
+        return None
+    out_rows = sum(p[1] for p in parts)
+    a = torch.zeros(len(parts) * rank, parts[0][2])
+    b = torch.zeros(out_rows, len(parts) * rank)
+    row = 0
+    for i, (module, rows, in_features) in enumerate(parts):
+        pair = found.get((layer, module))
+        if pair is not None:
+            if set(pair) != {"lora_A", "lora_B"}:
+                raise ValueError(f"LoRA adapter {folder}: layer {layer} {module} lacks lora_A or lora_B")
+            la, lb = pair["lora_A"], pair["lora_B"]
+            if tuple(la.shape) != (rank, in_features) or tuple(lb.shape) != (rows, rank):
+                raise ValueError(
+                    f"LoRA adapter {folder}: layer {layer} {module} has A {tuple(la.shape)} and B "
+                    f"{tuple(lb.shape)}, this model needs ({rank}, {in_features}) and ({rows}, {rank}): "
+                    "an adapter of another base model"
+                )
+            a[i * rank : (i + 1) * rank] = la
+            b[row : row + rows, i * rank : (i + 1) * rank] = lb * scale
+        row += rows
+    return a, b
+
+
+class LoRASlots:
+    """``max_loras`` slots per fused projection of every layer: A ``[max_loras * width, in]`` and B
+    ``[out, max_loras * width]`` (``width`` = parts x ``max_rank``), zero where a slot is empty or its adapter's
+    rank is smaller."""
+
+    def __init__(self, config: LlamaConfig, max_loras: int, max_rank: int) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.parts = {fused: len(parts) for fused, parts in part_shapes(config).items()}
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for fused, parts in part_shapes(config).items():
+            width = len(parts) * max_rank
+            out_rows, in_features = sum(p[1] for p in parts), parts[0][2]
+            for layer in range(config.num_hidden_layers):
+                self.a[(layer, fused)] = torch.zeros(max_loras * width, in_features)
+                self.b[(layer, fused)] = torch.zeros(out_rows, max_loras * width)
+        self.holder: list[int | None] = [None] * max_loras  # the adapter id in each slot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in (*self.a.values(), *self.b.values()))
+
+    def place(self, slot: int, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Copy ``adapter`` into ``slot`` (every projection; the ones it leaves are zeroed)."""
+        r, big = adapter.rank, self.max_rank
+        for key, a_slots in self.a.items():
+            parts = self.parts[key[1]]
+            width = parts * big
+            a_view = a_slots[slot * width : (slot + 1) * width]
+            b_view = self.b[key][:, slot * width : (slot + 1) * width]
+            a_view.zero_(), b_view.zero_()
+            pair = adapter.weights.get(key)
+            if pair is None:
+                continue
+            a, b = pair
+            for i in range(parts):
+                a_view[i * big : i * big + r] = a[i * r : (i + 1) * r]
+                b_view[:, i * big : i * big + r] = b[:, i * r : (i + 1) * r]
+        self.holder[slot] = adapter_id
+
+
+class StepLoRA:
+    """A step's adapters: each token's slot (-1: the base model) as masks over the slots' columns, and
+    :meth:`add`, which adds every row's own adapter delta to a projection's output."""
+
+    def __init__(self, slots: LoRASlots, token_slots: list[int]) -> None:
+        self.slots = slots
+        index = torch.tensor(token_slots, dtype=torch.long)
+        one_hot = torch.zeros(len(token_slots), slots.max_loras)
+        rows = index >= 0
+        one_hot[rows.nonzero().squeeze(1), index[rows]] = 1.0
+        # per number of parts (1, 2, 3): [T, max_loras * parts * max_rank]
+        self.masks = {
+            p: one_hot.repeat_interleave(p * slots.max_rank, dim=1) for p in set(slots.parts.values())
+        }
+
+    def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += ((x @ A^T) * mask) @ B^T`` for projection ``fused`` of ``layer`` (``x [T, in]``, ``out [T, out]``)."""
+        key = (layer, fused)
+        h = torch.mm(x.float(), self.slots.a[key].t()).mul_(self.masks[self.slots.parts[fused]])
+        return out.addmm_(h.to(out.dtype), self.slots.b[key].t().to(out.dtype))

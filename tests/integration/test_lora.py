@@ -1,0 +1,175 @@
+"""LoRA adapters against peft: tiny random Llama and Qwen2 models built by transformers, adapters made by peft with
+random A and B (several ranks, rsLoRA, all projections or a few), saved as PEFT folders and served by tokenmill.
+The reference is peft's own ``merge_and_unload()`` model: every prompt position's and every generated token's
+log-probability within 1e-3 of it, greedy tokens equal; one batch mixing base rows and three adapters gives each row
+what it gets alone; the same prompt under two adapters never shares cached blocks; every bad input a ValueError."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from test_model_families import build_hf, prompts, save_dir, tokenizer_files  # noqa: E402,F401
+
+from tokenmill import LoRARequest, SamplingParams  # noqa: E402
+from tokenmill.engine import Engine  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATOL = 1e-3
+
+
+def make_adapter(hf_model, out: Path, seed: int, rank: int, targets: list[str], rslora: bool = False) -> Path:
+    """A peft LoRA on ``hf_model`` (a deep copy is wrapped) with random A and B, saved to ``out``."""
+    import copy
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank + 3, target_modules=targets, use_rslora=rslora)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # lora_B starts at zero: both random, so the adapter changes the outputs
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(out)
+    return out
+
+
+def merged(hf_model, adapter_dir: Path):
+    import copy
+
+    return peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), str(adapter_dir)).merge_and_unload().eval()
+
+
+@torch.inference_mode()
+def reference_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax at every position of one sequence, [T, vocab]."""
+    return torch.log_softmax(hf_model(torch.tensor([token_ids])).logits[0].double(), dim=-1)
+
+
+def assert_matches(output, reference_model, prompt: list[int]) -> None:
+    """Prompt logprobs (prefill) and each generated token (greedy, teacher-forced logprobs) against the model."""
+    out_ids = list(output.outputs[0].token_ids)
+    ref = reference_logprobs(reference_model, prompt + out_ids)
+    for pos in range(1, len(prompt)):
+        got = output.prompt_logprobs[pos].logprob
+        assert abs(got - float(ref[pos - 1, prompt[pos]])) < ATOL, ("prompt", pos)
+    for i, (token, lp) in enumerate(zip(out_ids, output.outputs[0].logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert token == int(row.argmax()), ("greedy token", i)
+        assert abs(lp.logprob - float(row[token])) < ATOL, ("output", i)
+
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def family_setup(request, tokenizer_files, tmp_path_factory):  # noqa: F811
+    family = request.param
+    hf_model = build_hf(family)
+    root = tmp_path_factory.mktemp(f"lora-{family}")
+    base = save_dir(hf_model, tokenizer_files, root / "base")
+    adapters = {
+        "all-r8": make_adapter(hf_model, root / "all-r8", seed=1, rank=8, targets=ALL),
+        "qv-r4": make_adapter(hf_model, root / "qv-r4", seed=2, rank=4, targets=["q_proj", "v_proj"]),
+        "mlp-r16-rs": make_adapter(
+            hf_model,
+            root / "mlp-r16-rs",
+            seed=3,
+            rank=16,
+            targets=["gate_proj", "up_proj", "down_proj"],
+            rslora=True,
+        ),
+    }
+    return family, hf_model, base, adapters
+
+
+def lora(adapters: dict[str, Path], name: str) -> LoRARequest:
+    return LoRARequest(name, list(adapters).index(name) + 1, str(adapters[name]))
+
+
+@pytest.mark.parametrize("family_setup", ["llama", "qwen2"], indirect=True)
+def test_each_adapter_matches_peft_merged_and_a_mixed_batch_matches_alone(family_setup) -> None:
+    family, hf_model, base, adapters = family_setup
+    engine = Engine(model=str(base), device="cpu", enable_lora=True, max_loras=3, max_lora_rank=16,
+                    num_kv_blocks=256, speculative_config=None)  # fmt: skip
+    batch = prompts([23, 40, 17, 33], seed=7)
+    alone = {}
+    for name in adapters:
+        reference = merged(hf_model, adapters[name])
+        (out,) = engine.generate([batch[0]], PARAMS, lora_request=lora(adapters, name))
+        assert_matches(out, reference, batch[0])
+        alone[name] = out.outputs[0].token_ids
+    (base_out,) = engine.generate([batch[0]], PARAMS)
+    assert_matches(base_out, hf_model, batch[0])
+    assert len({tuple(t) for t in [*alone.values(), base_out.outputs[0].token_ids]}) == 4  # visibly different
+    # one batch: base, then the three adapters, each prompt once per adapter (prompts differ by row)
+    rows = [(p, None) for p in batch] + [(p, lora(adapters, n)) for n in adapters for p in batch]
+    outs = engine.generate([p for p, _ in rows], PARAMS, lora_request=[r for _, r in rows])
+    for (prompt, request), out in zip(rows, outs, strict=True):
+        reference = hf_model if request is None else merged(hf_model, adapters[request.lora_name])
+        assert_matches(out, reference, prompt)
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+@pytest.mark.parametrize("family_setup", ["llama"], indirect=True)
+def test_prefix_cache_keeps_adapters_apart_and_one_slot_serves_them_in_turn(family_setup) -> None:
+    _, hf_model, base, adapters = family_setup
+    engine = Engine(model=str(base), device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+                    num_kv_blocks=256, block_size=16, speculative_config=None)  # fmt: skip
+    prompt = prompts([70], seed=3)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = engine.generate([prompt], params, lora_request=lora(adapters, "all-r8"))[0]
+    again = engine.generate([prompt], params, lora_request=lora(adapters, "all-r8"))[0]
+    other = engine.generate([prompt], params, lora_request=lora(adapters, "qv-r4"))[0]
+    plain = engine.generate([prompt], params)[0]
+    assert (
+        first.metrics.num_cached_tokens == 0 and again.metrics.num_cached_tokens == 64
+    )  # 4 full blocks of the 70 tokens
+    assert other.metrics.num_cached_tokens == 0 and plain.metrics.num_cached_tokens == 0
+    # one slot, three adapters and the base model at once: every request ends, each as it does alone
+    names = list(adapters)
+    reqs = [lora(adapters, n) for n in names] + [None]
+    outs = engine.generate([prompt] * 4, params, lora_request=reqs)
+    for request, out in zip(reqs, outs, strict=True):
+        alone = engine.generate([prompt], params, lora_request=request)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert engine.num_free_blocks == engine.num_total_blocks
+    engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("family_setup", ["qwen2"], indirect=True)
+def test_bad_adapters_are_value_errors(family_setup, tmp_path: Path) -> None:
+    family, hf_model, base, adapters = family_setup
+    engine = Engine(model=str(base), device="cpu", enable_lora=True, max_lora_rank=8, num_kv_blocks=64,
+                    speculative_config=None)  # fmt: skip
+    prompt = prompts([5])[0]
+    with pytest.raises(ValueError, match="rank 16 is above max_lora_rank 8"):
+        engine.add_request(prompt, lora_request=lora(adapters, "mlp-r16-rs"))
+    other = build_hf(family, hidden_size=96, intermediate_size=160)  # another base model's shapes
+    wrong = make_adapter(other, tmp_path / "wrong", seed=4, rank=4, targets=["q_proj"])
+    with pytest.raises(ValueError, match="another base model"):
+        engine.add_lora(LoRARequest("wrong", 9, str(wrong)))
+    head = make_adapter(hf_model, tmp_path / "head", seed=5, rank=4, targets=["lm_head"])
+    with pytest.raises(ValueError, match="lm_head"):
+        engine.add_lora(LoRARequest("head", 10, str(head)))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        engine.add_lora(LoRARequest("empty", 11, str(tmp_path)))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora"):
+        engine.add_lora(LoRARequest("dora", 12, str(dora)))
+    engine.add_lora(lora(adapters, "all-r8"))
+    with pytest.raises(ValueError, match="LoRA id 1 is adapter"):
+        engine.add_lora(LoRARequest("renamed", 1, str(adapters["qv-r4"])))
+    with pytest.raises(ValueError, match="positive integer"):
+        LoRARequest("x", 0, "/tmp")
+    off = Engine(model=str(base), device="cpu", num_kv_blocks=64, speculative_config=None)
+    with pytest.raises(ValueError, match="enable_lora"):
+        off.add_request(prompt, lora_request=lora(adapters, "all-r8"))
+    assert not engine.has_unfinished() and not off.has_unfinished()
