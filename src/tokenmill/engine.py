@@ -179,7 +179,9 @@ class Engine:
         from tokenmill.worker.lora_manager import LoRAManager
 
         c = self.config
-        return LoRAManager(self.loaded.config, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+        return LoRAManager(
+            self.loaded.config, c.max_loras, c.max_lora_rank, c.max_cpu_loras, self.loaded.device
+        )
 
     def add_lora(self, lora_request: LoRARequest) -> Any:
         """Load an adapter (vLLM's ``add_lora``); its ``LoRAAdapter``. BadRequestError (a ValueError) when LoRA is
@@ -190,6 +192,15 @@ class Engine:
             return self.lora_manager.add(lora_request)
         except ValueError as exc:
             raise BadRequestError(str(exc), param="lora_request") from None
+
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """The adapter names of the running and of the waiting requests (vLLM's ``vllm:lora_requests_info``)."""
+        if self.lora_manager is None:
+            return [], []
+        names = {i: r.lora_name for i, r in self.lora_manager.requests.items()}
+        running = {names.get(r.lora_id, "") for r in self.scheduler.running if r.lora_id}
+        waiting = {names.get(r.lora_id, "") for r in self.scheduler.waiting if r.lora_id}
+        return sorted(running), sorted(waiting)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter; False when unknown. BadRequestError while a request still runs with it."""

@@ -114,6 +114,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "read bandwidth, and kept in the cache directory), 'measure' them again now, 'none' (off), or give "
         "them, e.g. 250,30",
     )
+    _add_lora_arguments(parser)
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the model")
+    g.add_argument(
+        "--max-loras", type=int, default=1, help="adapters in one step (each a slot of --max-lora-rank)"
+    )
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the highest rank an adapter may have")
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: --max-loras)"
+    )
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -150,4 +163,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=getattr(args, "speculative_config", None) or SPECULATION_AUTO,
         hardware_limits=getattr(args, "hardware_limits", None),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )

@@ -16,6 +16,7 @@ The extra work is ``max_loras * width`` columns per projection: a few percent of
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -195,63 +196,87 @@ def _fused_pair(
 
 
 class LoRASlots:
-    """``max_loras`` slots per fused projection of every layer: A ``[max_loras * width, in]`` and B
-    ``[out, max_loras * width]`` (``width`` = parts x ``max_rank``), zero where a slot is empty or its adapter's
-    rank is smaller."""
+    """``max_loras`` slots for every fused projection of every layer (``csrc/lora.h`` says the layout): A
+    ``[max_loras * parts * max_rank, in]`` (slot, then part, then rank row) and B ``[max_loras, max_rank, out]``
+    (each slot's B transposed, its parts side by side: output n of part i takes rank rows ``i * max_rank ..``), zero
+    where a slot is empty or its adapter's rank is smaller."""
 
-    def __init__(self, config: LlamaConfig, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, max_loras: int, max_rank: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.parts = {fused: len(parts) for fused, parts in part_shapes(config).items()}
+        shapes = part_shapes(config)
+        self.parts = {fused: len(parts) for fused, parts in shapes.items()}
+        self.part_starts = {
+            fused: [0, *itertools.accumulate(p[1] for p in parts)] for fused, parts in shapes.items()
+        }
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        for fused, parts in part_shapes(config).items():
-            width = len(parts) * max_rank
+        for fused, parts in shapes.items():
             out_rows, in_features = sum(p[1] for p in parts), parts[0][2]
             for layer in range(config.num_hidden_layers):
-                self.a[(layer, fused)] = torch.zeros(max_loras * width, in_features)
-                self.b[(layer, fused)] = torch.zeros(out_rows, max_loras * width)
+                self.a[(layer, fused)] = torch.zeros(
+                    max_loras * len(parts) * max_rank, in_features, device=device
+                )
+                self.b[(layer, fused)] = torch.zeros(max_loras, max_rank, out_rows, device=device)
         self.holder: list[int | None] = [None] * max_loras  # the adapter id in each slot
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for t in (*self.a.values(), *self.b.values()))
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
     def place(self, slot: int, adapter_id: int, adapter: LoRAAdapter) -> None:
         """Copy ``adapter`` into ``slot`` (every projection; the ones it leaves are zeroed)."""
         r, big = adapter.rank, self.max_rank
         for key, a_slots in self.a.items():
             parts = self.parts[key[1]]
-            width = parts * big
-            a_view = a_slots[slot * width : (slot + 1) * width]
-            b_view = self.b[key][:, slot * width : (slot + 1) * width]
+            a_view = a_slots[slot * parts * big : (slot + 1) * parts * big]
+            b_view = self.b[key][slot]  # [max_rank, out]
             a_view.zero_(), b_view.zero_()
             pair = adapter.weights.get(key)
             if pair is None:
                 continue
-            a, b = pair
+            a, b = pair  # [parts * r, in], block-diagonal [out, parts * r]
+            starts = self.part_starts[key[1]]
             for i in range(parts):
                 a_view[i * big : i * big + r] = a[i * r : (i + 1) * r]
-                b_view[:, i * big : i * big + r] = b[:, i * r : (i + 1) * r]
+                b_view[:r, starts[i] : starts[i + 1]] = b[starts[i] : starts[i + 1], i * r : (i + 1) * r].t()
         self.holder[slot] = adapter_id
 
 
 class StepLoRA:
-    """A step's adapters: each token's slot (-1: the base model) as masks over the slots' columns, and
-    :meth:`add`, which adds every row's own adapter delta to a projection's output."""
+    """A step's adapters: each token's slot (-1: the base model), and :meth:`add`, which adds every row's own
+    adapter delta to a projection's output (the C++ kernel on CPU, else torch: the rows' A products over every
+    slot, masked to each row's own)."""
 
-    def __init__(self, slots: LoRASlots, token_slots: list[int]) -> None:
+    def __init__(self, slots: LoRASlots, token_slots: list[int], kernel: Any = None) -> None:
         self.slots = slots
-        index = torch.tensor(token_slots, dtype=torch.long)
-        one_hot = torch.zeros(len(token_slots), slots.max_loras)
-        rows = index >= 0
-        one_hot[rows.nonzero().squeeze(1), index[rows]] = 1.0
-        # per number of parts (1, 2, 3): [T, max_loras * parts * max_rank]
-        self.masks = {
-            p: one_hot.repeat_interleave(p * slots.max_rank, dim=1) for p in set(slots.parts.values())
-        }
+        self.kernel = kernel  # csrc/lora.h's lora_add_, or None
+        device = next(iter(slots.a.values())).device
+        self.index = torch.tensor(token_slots, dtype=torch.long, device=device)
+        self.masks: dict[int, torch.Tensor] = {}
+        if kernel is None:
+            one_hot = torch.zeros(len(token_slots), slots.max_loras, device=device)
+            rows = self.index >= 0
+            one_hot[rows.nonzero().squeeze(1), self.index[rows]] = 1.0
+            # per number of parts: [T, max_loras * parts * max_rank], slot-major as A's rows
+            self.masks = {
+                p: one_hot.repeat_interleave(p * slots.max_rank, dim=1) for p in set(slots.parts.values())
+            }
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out += ((x @ A^T) * mask) @ B^T`` for projection ``fused`` of ``layer`` (``x [T, in]``, ``out [T, out]``)."""
+        """``out += B_s A_s x`` per row for projection ``fused`` of ``layer`` (``x [T, in]``, ``out [T, out]``)."""
         key = (layer, fused)
-        h = torch.mm(x.float(), self.slots.a[key].t()).mul_(self.masks[self.slots.parts[fused]])
-        return out.addmm_(h.to(out.dtype), self.slots.b[key].t().to(out.dtype))
+        a, b = self.slots.a[key], self.slots.b[key]
+        starts = self.slots.part_starts[fused]
+        if self.kernel is not None and x.dtype == out.dtype == torch.float32 and out.is_contiguous():
+            self.kernel(x.contiguous(), out, a, b, self.index, starts)
+            return out
+        parts, rank, num_slots = self.slots.parts[fused], self.slots.max_rank, self.slots.max_loras
+        h = torch.mm(x.float(), a.t()).mul_(self.masks[parts])  # [T, slots * parts * rank]
+        h = h.view(-1, num_slots, parts, rank)
+        b_all = b.view(num_slots * rank, -1)  # [slots * rank, out]
+        for i in range(parts):
+            h_i = h[:, :, i, :].reshape(-1, num_slots * rank)
+            out[:, starts[i] : starts[i + 1]] += (h_i @ b_all[:, starts[i] : starts[i + 1]]).to(out.dtype)
+        return out

@@ -67,17 +67,20 @@ def build_app(
     reasoning_parser: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
     ui: bool = True,
+    lora_modules: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app. Its lifespan starts the engine thread and, at shutdown, stops it (aborting what is left).
 
     ``api_key``: one key or several (each stored response is readable only with the key that created it).
     ``cors``: keyword arguments of Starlette's CORSMiddleware (``allow_origins`` ...), or None for no CORS.
+    ``lora_modules``: LoRA adapters served by name (``LoRARequest`` by ``lora_name``; loaded in the engine already).
     """
     from tokenmill.server import (
         routes_chat,
         routes_completions,
         routes_embeddings,
         routes_info,
+        routes_lora,
         routes_messages,
         routes_ollama,
         routes_responses,
@@ -98,6 +101,8 @@ def build_app(
         max_tokens_past_context=max_tokens_past_context,
         reasoning_parser=reasoning_parser,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
+        lora_modules=dict(lora_modules or {}),
+        allow_runtime_lora_updating=routes_lora.runtime_updating_allowed(),
     )
 
     if getattr(async_engine, "metrics", None) is not None:
@@ -121,6 +126,8 @@ def build_app(
     app.include_router(routes_info.router)
     app.include_router(routes_tokenize.router)
     app.include_router(routes_ollama.router)
+    if state.allow_runtime_lora_updating:
+        app.include_router(routes_lora.router)
     if ui:
         app.include_router(routes_info.ui_router)
     _add_error_handlers(app)

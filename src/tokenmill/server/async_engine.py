@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -77,6 +78,15 @@ class _Add:
     cache_salt: str | None = None
     trace_headers: dict[str, str] | None = None
     grammars: list[Any] = field(default_factory=list)  # per prompt: its compiled constraint, or None
+    lora_request: Any = None  # the LoRA adapter every prompt runs with (a LoRARequest), or None
+
+
+@dataclass
+class _Run:
+    """A function of the engine, run on the engine thread (loading and unloading LoRA adapters)."""
+
+    fn: Callable[[Any], Any]
+    future: asyncio.Future[Any]
 
 
 @dataclass
@@ -274,8 +284,10 @@ class AsyncEngine:
         prompts: Sequence[tuple[list[int], SamplingParams]],
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> RequestGroup:
         """Queue one engine request per ``(prompt_token_ids, params)``; return once the engine accepted them.
+        ``lora_request``: the LoRA adapter they run with.
 
         Raises QueueFullError, DrainingError, EngineDeadError, or the engine's BadRequestError for bad input.
         """
@@ -316,7 +328,15 @@ class AsyncEngine:
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(self, ids, asyncio.get_running_loop())
         headers = current_trace_headers.get()
-        add = _Add(group, [(list(p), sp) for p, sp in prompts], arrival_s, cache_salt, headers, grammars)
+        add = _Add(
+            group,
+            [(list(p), sp) for p, sp in prompts],
+            arrival_s,
+            cache_salt,
+            headers,
+            grammars,
+            lora_request,
+        )
         if not self._send(add):
             with self._lock:
                 self._counters.num_in_flight -= len(prompts)
@@ -358,7 +378,14 @@ class AsyncEngine:
         """The engine's constraint compiler once a constrained request built it, else None (for /metrics)."""
         return getattr(self._engine, "built_structured_outputs", None)
 
-    def _send(self, command: _Add | _Abort | _AbortAll | _Stop) -> bool:
+    async def run_on_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` on the engine thread, between steps; its result, or its exception raised here."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if not self._send(_Run(fn, future)):
+            raise EngineDeadError(self.dead_message())
+        return await future
+
+    def _send(self, command: _Add | _Abort | _AbortAll | _Stop | _Run) -> bool:
         """Queue a command for the engine thread; False when the thread has finished and will not read it."""
         with self._lock:
             if self._closed:
@@ -444,6 +471,8 @@ class AsyncEngine:
             changed = True
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Run):
+                self._run_command(command)
             elif isinstance(command, _Abort):
                 for request_id in command.request_ids:
                     if request_id in self._tracked:
@@ -457,6 +486,28 @@ class AsyncEngine:
         if changed:
             self._publish()
         return self._stopping and not self._engine.has_unfinished()
+
+    def _run_command(self, command: _Run) -> None:
+        future = command.future
+        try:
+            result = command.fn(self._engine)
+        except Exception as exc:
+            self._settle(future, None, exc)
+        else:
+            self._settle(future, result, None)
+
+    @staticmethod
+    def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            future.get_loop().call_soon_threadsafe(settle)
 
     def _abort_tracked(self) -> None:
         for request_id in list(self._tracked):
@@ -476,6 +527,8 @@ class AsyncEngine:
                 )
                 if command.grammars and command.grammars[index] is not None:
                     extra["grammar"] = command.grammars[index]
+                if command.lora_request is not None:
+                    extra["lora_request"] = command.lora_request
                 self._engine.add_request(
                     token_ids, params, request_id=request_id, arrival_time_s=command.arrival_s, **extra
                 )
@@ -573,6 +626,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(command, _Run):
+                self._settle(command.future, None, EngineDeadError(self.dead_message()))
             if isinstance(command, _Add):
                 with self._lock:
                     self._counters.num_in_flight -= len(command.group.request_ids)
@@ -599,6 +654,14 @@ class AsyncEngine:
             num_total_blocks=engine.num_total_blocks,
             totals=stats.totals(),
         )
+        if getattr(engine, "lora_manager", None) is not None:
+            running, waiting = engine.lora_requests()
+            snap = dataclasses.replace(
+                snap,
+                max_loras=engine.config.max_loras,
+                running_loras=tuple(running),
+                waiting_loras=tuple(waiting),
+            )
         self.snapshot = snap
         with self._lock:
             self._counters.num_running = snap.num_running

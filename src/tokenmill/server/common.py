@@ -56,6 +56,9 @@ class ServerState:
     max_tokens_past_context: str = "cap"
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: a thinking model's <think> text split out
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under each request's own
+    # LoRA adapters served by name (a request's `model`), and whether /v1/load_lora_adapter may change them
+    lora_modules: dict[str, Any] = field(default_factory=dict)
+    allow_runtime_lora_updating: bool = False
 
 
 def fit_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -317,8 +320,16 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def answering_model(state: ServerState, model: str | None) -> str:
+    """The `model` a response names: the LoRA adapter's name when the request asked for one, else the served
+    model's (an alias asked for is answered with the served name)."""
+    return model if model is not None and model in state.lora_modules else state.served_model_name
+
+
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name and model not in state.model_aliases:
+    if model is None or model == state.served_model_name or model in state.model_aliases:
+        return
+    if model not in state.lora_modules:
         raise ApiError(
             404, f"The model `{model}` does not exist.", type="invalid_request_error", param="model",
             code="model_not_found",
@@ -359,12 +370,16 @@ async def submit(
     request_id: str,
     cache_salt: str | None = None,
     structured_param: str | None = None,
+    model: str | None = None,
 ) -> Any:
     """AsyncEngine.submit with its refusals mapped to HTTP by :func:`api_error`. ``structured_param``: the
     request field that gave the constraint (``response_format``, ``tools``...), named instead of the engine's
-    ``structured_outputs``."""
+    ``structured_outputs``. ``model``: the request's; a LoRA adapter's name runs the prompts with it."""
+    lora = state.lora_modules.get(model) if model is not None else None
     try:
-        return await state.async_engine.submit(prompts, request_id=request_id, cache_salt=cache_salt)
+        return await state.async_engine.submit(
+            prompts, request_id=request_id, cache_salt=cache_salt, lora_request=lora
+        )
     except errors.BadRequestError as exc:
         if exc.param == "structured_outputs" and structured_param is not None:
             raise ApiError.bad_request(

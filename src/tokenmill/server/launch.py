@@ -101,6 +101,14 @@ def _add_http_arguments(s: Any) -> None:
         "false}'",
     )
     s.add_argument("--no-ui", dest="ui", action="store_false", help="no chat page at / (the API routes only)")
+    s.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served by name, with --enable-lora: name=path, or vLLM's JSON form "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; a request picks one by its model',
+    )
     _add_observability_arguments(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument(
@@ -308,6 +316,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
     api_keys = api_keys_from_args(args)
 
     engine = Engine(engine_config_from_args(args))
+    loras = load_lora_modules(engine, args.lora_modules)
     served_name = args.served_model_name or engine.model_name
     metrics = ServerMetrics(served_name)
     info = system_info.collect()
@@ -343,6 +352,7 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         max_tokens_past_context=args.max_tokens_past_context,
         reasoning_parser=args.reasoning_parser,
         ui=args.ui,
+        lora_modules=loras,
         default_chat_template_kwargs=json_object_arg(
             args.default_chat_template_kwargs, "--default-chat-template-kwargs"
         ),
@@ -353,6 +363,50 @@ def _build(args: argparse.Namespace, cors: dict[str, Any] | None) -> tuple[Any, 
         f"{len(api_keys)} required" if api_keys else "off",
     )  # fmt: skip
     return async_engine, app
+
+
+def parse_lora_modules(values: Sequence[str]) -> list[Any]:
+    """``--lora-modules`` values (``name=path`` or vLLM's JSON object) as LoRARequests, ids from 1; ValueError
+    naming a bad one."""
+    from tokenmill.lora_request import LoRARequest
+
+    out: list[Any] = []
+    for i, value in enumerate(values, start=1):
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules {value!r}: not JSON: {exc}") from None
+            if not isinstance(spec, dict) or not {"name", "path"} <= spec.keys() or set(spec) - {
+                "name", "path", "base_model_name"
+            }:  # fmt: skip
+                raise ValueError(
+                    f"--lora-modules {value!r}: a JSON object of name, path (and base_model_name)"
+                )
+            name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+        else:
+            name, sep, path = value.partition("=")
+            base = None
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: name=path, or a JSON object")
+        if any(lora.lora_name == name for lora in out):
+            raise ValueError(f"--lora-modules: {name!r} is given twice")
+        out.append(LoRARequest(str(name), i, str(path), base))
+    return out
+
+
+def load_lora_modules(engine: Any, values: Sequence[str]) -> dict[str, Any]:
+    """Every ``--lora-modules`` adapter loaded into ``engine`` (ValueError naming one that does not load)."""
+    loras = parse_lora_modules(values)
+    if loras and not engine.config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for lora in loras:
+        try:
+            engine.add_lora(lora)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {lora.lora_name}: {exc}") from None
+        logger.info("LoRA adapter %s (id %d) from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+    return {lora.lora_name: lora for lora in loras}
 
 
 def api_keys_from_args(args: argparse.Namespace) -> list[str]:

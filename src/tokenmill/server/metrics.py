@@ -46,6 +46,9 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     totals: EngineStats = field(default_factory=EngineStats)
+    max_loras: int = 0  # LoRA: the slots (0: adapters off), and the adapters of running and waiting requests
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 # The engine's totals (EngineStats fields) exported as they are by _EngineTotals: (name, help, field). The name
@@ -232,6 +235,10 @@ class ServerMetrics:
         self.num_requests_waiting = self._gauge(
             "vllm:num_requests_waiting", "Requests waiting to be admitted."
         )
+        self.lora_requests_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry,
+        )  # fmt: skip
         self.kv_cache_usage_perc = self._gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use."
         )
@@ -331,6 +338,13 @@ class ServerMetrics:
             self.engine_alive.labels(*labels).set(1.0 if alive else 0.0)
             self.free_blocks.labels(*labels).set(snap.num_free_blocks)
             self.total_blocks.labels(*labels).set(snap.num_total_blocks)
+            if (
+                snap.max_loras
+            ):  # vLLM's: one series, its labels the adapters now, its value the time of the update
+                self.lora_requests_info.clear()
+                self.lora_requests_info.labels(
+                    str(snap.max_loras), ",".join(snap.waiting_loras), ",".join(snap.running_loras)
+                ).set_to_current_time()
 
     def _observe_finished(self, m: RequestMetrics) -> None:
         name = self.model_name

@@ -507,6 +507,7 @@ class ModelCard(BaseModel):
     # tokenmill's own: the quantization that runs (``--quantization``) and why (model/arithmetic.py)
     quantization: str | None = None
     arithmetic: str | None = None
+    parent: str | None = None  # a LoRA adapter's: the model it runs on (vLLM's field)
 
 
 class ModelList(BaseModel):

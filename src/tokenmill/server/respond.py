@@ -65,7 +65,7 @@ class OpenAIView:
         self, state: ServerState, response_id: str, include_usage: bool, num_prompt_tokens: int
     ) -> None:
         self.tokenizer = state.async_engine.tokenizer
-        self.model = state.served_model_name
+        self.model = state.served_model_name  # a view for a LoRA adapter's request sets its name
         self.id = response_id
         self.created = int(time.time())
         self.include_usage = include_usage

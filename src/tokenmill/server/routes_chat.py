@@ -18,6 +18,7 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
     ServerState,
+    answering_model,
     api_error,
     check_text_chars,
     fit_max_tokens,
@@ -177,9 +178,15 @@ async def create_chat_completion(request: Request) -> Response:
         raise api_error(exc) from None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     group: RequestGroup = await submit(
-        state, plan.engine_prompts, chat_id, req.cache_salt, structured_param=plan.structured_param
+        state,
+        plan.engine_prompts,
+        chat_id,
+        req.cache_salt,
+        structured_param=plan.structured_param,
+        model=req.model,
     )
     view = _ChatView(state, req, chat_id, len(plan.prompt_ids))
+    view.model = answering_model(state, req.model)
     view.reasoning = reasoning_for(state, req, plan.prompt_ids)
     return await respond(request, state, view, group, bool(req.stream))
 

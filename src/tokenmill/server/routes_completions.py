@@ -16,6 +16,7 @@ from tokenmill.outputs import Logprob, RequestDelta
 from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
     ServerState,
+    answering_model,
     api_error,
     check_text_chars,
     fit_max_tokens,
@@ -73,9 +74,15 @@ async def create_completion(request: Request) -> Response:
 
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     group: RequestGroup = await submit(
-        state, engine_prompts, completion_id, req.cache_salt, structured_param=req.structured()[1]
+        state,
+        engine_prompts,
+        completion_id,
+        req.cache_salt,
+        structured_param=req.structured()[1],
+        model=req.model,
     )
     view = _View(state, req, completion_id, [p for p in prompts for _ in range(n)])
+    view.model = answering_model(state, req.model)
     return await respond(request, state, view, group, bool(req.stream))
 
 

@@ -37,16 +37,29 @@ def _model_card(state: ServerState) -> ModelCard:
     )
 
 
+def _adapter_card(state: ServerState, name: str) -> ModelCard:
+    lora = state.lora_modules[name]
+    return ModelCard(
+        id=name,
+        root=lora.lora_path,
+        parent=state.served_model_name,
+        max_model_len=state.async_engine.max_model_len,
+    )
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    return JSONResponse(ModelList(data=[_model_card(get_state(request))]).model_dump())
+    state = get_state(request)
+    cards = [_model_card(state), *(_adapter_card(state, name) for name in sorted(state.lora_modules))]
+    return JSONResponse(ModelList(data=cards).model_dump())
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str) -> Response:
     state = get_state(request)
     check_model(state, model_id)
-    return JSONResponse(_model_card(state).model_dump())
+    card = _adapter_card(state, model_id) if model_id in state.lora_modules else _model_card(state)
+    return JSONResponse(card.model_dump())
 
 
 @router.get("/version")

@@ -22,6 +22,7 @@ from tokenmill.server.async_engine import ChoiceResult
 from tokenmill.server.common import (
     ApiError,
     ServerState,
+    answering_model,
     api_error,
     parse_request,
     request_body,
@@ -55,7 +56,7 @@ async def create_message(request: Request) -> Response:
     except ParamError as exc:
         raise _renamed(exc) from None
     message_id = f"msg_{uuid.uuid4().hex}"
-    group = await submit(state, plan.engine_prompts, message_id, structured_param="tools")
+    group = await submit(state, plan.engine_prompts, message_id, structured_param="tools", model=req.model)
     view = _MessagesView(state, req, message_id, len(plan.prompt_ids))
     view.reasoning = reasoning_for(state, chat, plan.prompt_ids)
     view.show_thinking = req.thinking is None or req.thinking.display != "omitted"
@@ -78,6 +79,7 @@ class _MessagesView:
     def __init__(self, state: ServerState, req: MessagesRequest, message_id: str, num_prompt_tokens: int):
         self.state = state
         self.id = message_id
+        self.model = answering_model(state, req.model)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         choice = req.tool_choice
@@ -173,7 +175,7 @@ class _MessagesView:
         )
         stop_reason, stop_sequence = self.stop(result.finish_reason, result.stop_reason, calls)
         return MessageObject(
-            id=self.id, model=self.state.served_model_name, content=blocks, stop_reason=stop_reason,  # type: ignore[arg-type]
+            id=self.id, model=self.model, content=blocks, stop_reason=stop_reason,  # type: ignore[arg-type]
             stop_sequence=stop_sequence, usage=self.usage(len(result.token_ids)),
         )  # fmt: skip
 
@@ -194,7 +196,7 @@ class _MessagesView:
         if self.started:
             return ""
         self.started = True
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.state.served_model_name,
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": self.usage(0).model_dump()}  # fmt: skip
         return self.sse("message_start", message=message) + self.sse("ping")

@@ -175,7 +175,11 @@ async def _answer(request: Request, generate: bool) -> Response:
             room = options["num_ctx"] - len(plan.prompt_ids)
             plan.engine_prompts = [(ids, _capped(p, room)) for ids, p in plan.engine_prompts]
         group = await submit(
-            state, plan.engine_prompts, f"ollama-{time.time_ns()}", structured_param=plan.structured_param
+            state,
+            plan.engine_prompts,
+            f"ollama-{time.time_ns()}",
+            structured_param=plan.structured_param,
+            model=req.model,
         )
     except ParamError as exc:
         return _error(api_error(exc))

@@ -28,6 +28,7 @@ from tokenmill.server.async_engine import ChoiceResult, RequestGroup
 from tokenmill.server.common import (
     ApiError,
     ServerState,
+    answering_model,
     api_error,
     get_state,
     key_owner,
@@ -102,6 +103,7 @@ async def begin_response(
     group = await submit(
         state, plan.engine_prompts, response_id, req.cache_salt,
         structured_param="tools" if chat.forces_tool_call else ("text.format" if plan.structured_param else None),
+        model=req.model,
     )  # fmt: skip
     conversation = [item.model_dump(exclude_none=True) for item in history + req.input_items()]
     view = _ResponsesView(state, req, response_id, len(plan.prompt_ids), conversation, key_owner(conn))
@@ -289,7 +291,7 @@ class _ResponsesView:
             id=self.id, created_at=self.created_at, status=status, error=error,  # type: ignore[arg-type]
             incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
-            model=self.state.served_model_name, output=output,
+            model=answering_model(self.state, req.model), output=output,
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             previous_response_id=req.previous_response_id, store=req.store is not False,
             temperature=req.temperature, text={"format": fmt}, tool_choice=tool_choice,

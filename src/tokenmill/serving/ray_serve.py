@@ -152,7 +152,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     from tokenmill.engine_args import engine_config_from_args
     from tokenmill.server.launch import api_keys_from_args, json_object_arg
 
-    for flag, value in (("--record", args.record), ("--otlp-traces-endpoint", args.otlp_traces_endpoint)):
+    for flag, value in (
+        ("--record", args.record),
+        ("--otlp-traces-endpoint", args.otlp_traces_endpoint),
+        ("--lora-modules", args.lora_modules),
+        ("--enable-lora", args.enable_lora),
+    ):
         if value:  # one file or exporter per replica is not built: refused, not ignored
             raise ValueError(f"{flag} is not supported with --ray (run `tokenmill serve` without --ray)")
     logging.basicConfig(

@@ -6,18 +6,29 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from tokenmill.core.sched_output import ScheduledRow
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.config import LlamaConfig
+from tokenmill.model.cpu.kernels import lora_kernel
 from tokenmill.model.lora import LoRAAdapter, LoRASlots, StepLoRA, load_peft_adapter
 
 
 class LoRAManager:
-    def __init__(self, config: LlamaConfig, max_loras: int, max_rank: int, max_cpu_loras: int | None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.slots = LoRASlots(config, max_loras, max_rank)
+        self.slots = LoRASlots(config, max_loras, max_rank, device)
+        self.kernel = lora_kernel() if torch.device(device).type == "cpu" else None
         self.requests: dict[int, LoRARequest] = {}  # every adapter added, by id
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # most recently used last
         self._slot_used: list[int] = [0] * max_loras  # the step each slot last served
@@ -77,4 +88,4 @@ class LoRAManager:
         token_slots: list[int] = []
         for row in rows:
             token_slots += [slot_of[row.lora_id] if row.lora_id else -1] * row.num_new_tokens
-        return StepLoRA(self.slots, token_slots)
+        return StepLoRA(self.slots, token_slots, self.kernel)

@@ -214,6 +214,13 @@ def panel_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., t
     return module.pack_panels, module.panel_linear, int(module.panel_width())
 
 
+def lora_kernel() -> Callable[..., None] | None:
+    """``lora_add_(x, out, a, b, slots, part_starts)`` (``csrc/lora.h``: each row's LoRA delta added to ``out`` in
+    place), on every variant; None without kernels."""
+    module = _module()
+    return None if module is None else module.lora_add_  # type: ignore[no-any-return]
+
+
 def decode_stack_class() -> type | None:
     """The C++ ``DecodeStack`` (``csrc/decode_stack.h``), or None (no kernels, or base: it runs on the matmuls)."""
     module = _matmul_module()

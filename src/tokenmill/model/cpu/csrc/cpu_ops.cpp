@@ -7,6 +7,7 @@
 #include "attention_prefill.h"
 #include "decode_stack.h"
 #include "elementwise.h"
+#include "lora.h"
 #include "panel_linear.h"
 #include "peak_probe.h"
 #include "quant_linear.h"
@@ -35,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up [T, I]");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, K/V into the paged cache; returns q");
   m.def("qk_norm_", &qk_norm_, "RMSNorm of every q and k head of a fused qkv, in place (Qwen3)");
+  m.def("lora_add_", &lora_add_, "out[t] += B_s(A_s x[t]) with s row t's LoRA slot (-1: none), in place (CPU, fp32)");
   m.def("qdot_peak", &tokenmill_peak::qdot_peak, "the integer dot product in registers: iters x kAccs calls per thread");
   m.def("qdot_peak_ops_per_iter", &tokenmill_peak::qdot_peak_ops_per_iter, "integer operations of one round");
   m.def("isa", [] { return std::string(simd::kIsa); }, "the instruction-set variant compiled: avx512, avx2, base");
