@@ -15,7 +15,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from test_model_families import build_hf, prompts, save_dir, tokenizer_files  # noqa: E402,F401
+from test_model_families import (  # noqa: E402,F401
+    build_hf,
+    embedded_tokenizer_fields,
+    prompts,
+    save_dir,
+    tokenizer_files,
+)
 
 from tokenmill import LoRARequest, SamplingParams  # noqa: E402
 from tokenmill.engine import Engine  # noqa: E402
@@ -92,7 +98,9 @@ def lora(adapters: dict[str, Path], name: str) -> LoRARequest:
     return LoRARequest(name, list(adapters).index(name) + 1, str(adapters[name]))
 
 
-@pytest.mark.parametrize("family_setup", ["llama", "qwen2"], indirect=True)
+@pytest.mark.parametrize(
+    "family_setup", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)], indirect=True
+)
 def test_each_adapter_matches_peft_merged_and_a_mixed_batch_matches_alone(family_setup) -> None:
     family, hf_model, base, adapters = family_setup
     engine = Engine(model=str(base), device="cpu", enable_lora=True, max_loras=3, max_lora_rank=16,
@@ -173,3 +181,69 @@ def test_bad_adapters_are_value_errors(family_setup, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="enable_lora"):
         off.add_request(prompt, lora_request=lora(adapters, "all-r8"))
     assert not engine.has_unfinished() and not off.has_unfinished()
+
+
+def write_gguf_lora(adapter_dir: Path, path: Path, arch: str, hf_config) -> Path:  # type: ignore[no-untyped-def]
+    """A PEFT adapter written as llama.cpp's ``convert_lora_to_gguf.py`` writes one: general.type adapter,
+    adapter.type lora, adapter.lora.alpha, ``blk.N.<tensor>.weight.lora_a`` / ``.lora_b`` (A in F16, B in F32),
+    q and k's B rows interleaved for a ``llama`` model as the base's rows are."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from test_model_families import _GGUF_LAYER, _llama_cpp_permute
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for key, tensor in sorted(load_file(str(adapter_dir / "adapter_model.safetensors")).items()):
+        rest = key.removeprefix("base_model.model.model.layers.")
+        layer, module_path = rest.split(".", 1)
+        module, which = module_path.rsplit(".", 2)[0], module_path.rsplit(".", 2)[1]
+        name = f"blk.{layer}.{_GGUF_LAYER[module + '.weight']}.{'lora_a' if which == 'lora_A' else 'lora_b'}"
+        array = tensor.float().numpy()
+        if arch == "llama" and which == "lora_B" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = hf_config.num_attention_heads if "q_proj" in module else hf_config.num_key_value_heads
+            array = _llama_cpp_permute(array, heads)
+        writer.add_tensor(name, np.ascontiguousarray(array.astype(np.float16 if which == "lora_A" else np.float32)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
+def test_llama_cpp_gguf_lora_on_a_gguf_base(
+    family: str, embedded_tokenizer_fields, tmp_path: Path
+) -> None:
+    """llama.cpp's LoRA GGUF on a GGUF base (the llama family's q and k rows interleaved in both files): the same
+    answers as peft's merged model, and as the PEFT folder of the same adapter, in one batch with the base."""
+    from test_model_families import write_family_gguf
+
+    hf_model = build_hf(family, seed=5)
+    adapter_dir = make_adapter(hf_model, tmp_path / "peft", seed=6, rank=8, targets=ALL)
+    # A as fp16 values (the GGUF keeps A in F16): the peft reference then holds the same weights
+    tensors = peft.utils.load_peft_weights(str(adapter_dir))
+    from safetensors.torch import save_file
+
+    save_file({k: (v.half().float() if "lora_A" in k else v) for k, v in tensors.items()},
+              str(adapter_dir / "adapter_model.safetensors"))  # fmt: skip
+    base = tmp_path / f"{family}.gguf"
+    write_family_gguf(hf_model, family, base, embedded_tokenizer_fields, quantize=None)
+    lora_file = write_gguf_lora(adapter_dir, tmp_path / "adapter.gguf", family, hf_model.config)
+    engine = Engine(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
+                    num_kv_blocks=128, speculative_config=None)  # fmt: skip
+    prompt = prompts([21], seed=4)[0]
+    from_gguf, from_peft, plain = engine.generate(
+        [prompt] * 3, PARAMS,
+        lora_request=[LoRARequest("g", 1, str(lora_file)), LoRARequest("p", 2, str(adapter_dir)), None],
+    )  # fmt: skip
+    assert_matches(from_gguf, merged(hf_model, adapter_dir), prompt)
+    assert from_gguf.outputs[0].token_ids == from_peft.outputs[0].token_ids
+    assert from_gguf.outputs[0].token_ids != plain.outputs[0].token_ids
+    other = tmp_path / "other.gguf"
+    write_gguf_lora(adapter_dir, other, "qwen3" if family != "qwen3" else "llama", hf_model.config)
+    with pytest.raises(ValueError, match="made for a"):
+        engine.add_lora(LoRARequest("o", 3, str(other)))

@@ -27,6 +27,7 @@ KERNEL_TESTS = [
     "tests/unit/test_gguf_blocks.py",
     "tests/unit/test_cpu_kernels.py",
     "tests/unit/test_attention.py",
+    "tests/unit/test_lora_kernel.py",
 ]
 
 

@@ -17,7 +17,7 @@ MAX_RANK = 16
 
 
 def random_adapter(config, rank: int, seed: int, leave: tuple[str, ...] = ()) -> tuple[LoRAAdapter, dict]:
-    """An adapter as ``load_peft_adapter`` builds it (stacked A, block-diagonal B) and its parts' own matrices."""
+    """An adapter as ``load_adapter`` builds it (stacked A, block-diagonal B) and its parts' own matrices."""
     generator = torch.Generator().manual_seed(seed)
     adapter = LoRAAdapter(name=f"a{seed}", rank=rank, path="", digest=str(seed))
     own: dict = {}

@@ -183,7 +183,7 @@ def _as_hf_values(name: str, weight: torch.Tensor, config: LlamaConfig) -> torch
     return weight
 
 
-def _rope_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
+def rope_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
     """For a Q or K projection (weight or bias) of a llama-architecture file, the permutation of its rows that
     undoes llama.cpp's interleave; else None. llama.cpp's converter permutes only the checkpoints it writes as
     ``llama`` (Llama, Mistral): Qwen2, Qwen3 and Phi-3 keep Hugging Face's row order (its NEOX rope type)."""
@@ -214,7 +214,7 @@ def convert_gguf(
     for tensor in tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name, arch)
         weight = _as_hf_values(name, torch.from_numpy(dequantize_tensor(tensor)), config)
-        order = _rope_row_order(name, config)
+        order = rope_row_order(name, config)
         state_dict[name] = (weight if order is None else weight[order]).contiguous()
     return config, state_dict
 
@@ -232,7 +232,7 @@ def read_quantized_gguf(
         if tensor.name == _ROPE_FREQS:
             continue
         name = hf_tensor_name(tensor.name, arch)
-        order = _rope_row_order(name, config)
+        order = rope_row_order(name, config)
         type_name = tensor.tensor_type.name
         if type_name in QUANTIZED_TYPES and len(tensor.shape) == 2:
             groups = to_groups(type_name, tensor.data, int(tensor.shape[0]))

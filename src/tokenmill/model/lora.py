@@ -129,34 +129,97 @@ def _module_key(path: Path, key: str, num_layers: int) -> tuple[int, str, str]:
     return layer, module, which
 
 
-def load_peft_adapter(name: str, path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAAdapter:
-    """A PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) on this model's projections.
-    ValueError for a rank above ``max_rank``, modules the model does not have, and shapes of another base model."""
+def load_adapter(name: str, path: str | Path, config: LlamaConfig, max_rank: int) -> LoRAAdapter:
+    """A LoRA adapter on this model's projections: a PEFT folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``) or llama.cpp's GGUF LoRA file. ValueError for a rank above ``max_rank``,
+    modules the model does not have, and shapes (or a GGUF architecture) of another base model."""
     import hashlib
 
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    rank, scale = _check_config(folder, read_adapter_config(folder), max_rank)
-    weights_file = folder / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        raise ValueError(f"LoRA adapter {folder}: no adapter_model.safetensors")
-    raw = load_file(str(weights_file))
+    source = Path(path)
+    if source.is_file() and source.suffix == ".gguf":
+        found, rank, scale = _read_gguf_lora(source, config, max_rank)
+        weights_file = source
+    else:
+        rank, scale = _check_config(source, read_adapter_config(source), max_rank)
+        weights_file = source / "adapter_model.safetensors"
+        if not weights_file.is_file():
+            raise ValueError(f"LoRA adapter {source}: no adapter_model.safetensors")
+        found = _read_peft_tensors(source, weights_file, config.num_hidden_layers)
     digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in raw.items():
-        layer, module, which = _module_key(folder, key, config.num_hidden_layers)
-        found.setdefault((layer, module), {})[which] = tensor.float()
-    adapter = LoRAAdapter(name=name, rank=rank, path=str(folder), digest=digest)
-    shapes = part_shapes(config)
-    for fused, parts in shapes.items():
+    adapter = LoRAAdapter(name=name, rank=rank, path=str(source), digest=digest)
+    for fused, parts in part_shapes(config).items():
         for layer in range(config.num_hidden_layers):
-            pair = _fused_pair(folder, found, layer, fused, parts, rank, scale)
+            pair = _fused_pair(source, found, layer, fused, parts, rank, scale)
             if pair is not None:
                 adapter.weights[(layer, fused)] = pair
     if not adapter.weights:
-        raise ValueError(f"LoRA adapter {folder}: no lora_A / lora_B weights")
+        raise ValueError(f"LoRA adapter {source}: no lora_A / lora_B weights")
     return adapter
+
+
+Found = dict[tuple[int, str], dict[str, torch.Tensor]]  # (layer, module) -> {"lora_A": [r, in], "lora_B": [out, r]}
+
+
+def _read_peft_tensors(folder: Path, weights_file: Path, num_layers: int) -> Found:
+    from safetensors.torch import load_file
+
+    found: Found = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        layer, module, which = _module_key(folder, key, num_layers)
+        found.setdefault((layer, module), {})[which] = tensor.float()
+    return found
+
+
+def _read_gguf_lora(path: Path, config: LlamaConfig, max_rank: int) -> tuple[Found, int, float]:
+    """llama.cpp's LoRA GGUF (``convert_lora_to_gguf.py``): ``general.type`` adapter, ``adapter.type`` lora,
+    ``adapter.lora.alpha``, tensors ``blk.N.<base tensor>.weight.lora_a`` ``[r, in]`` and ``.lora_b`` ``[out, r]``
+    (q and k rows interleaved as llama.cpp's converter writes a ``llama`` model's). Scale alpha / r, 1 without
+    alpha, as llama.cpp applies it."""
+    import gguf
+
+    from tokenmill.model.gguf_loader import hf_tensor_name, rope_row_order
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"LoRA adapter {path}: not a readable GGUF file: {exc}") from None
+
+    def field(key: str) -> object:
+        value = reader.fields.get(key)
+        return None if value is None else value.contents()
+
+    if field("general.type") != "adapter" or str(field("adapter.type")).lower() != "lora":
+        raise ValueError(f"LoRA adapter {path}: a GGUF with general.type adapter and adapter.type lora is expected")
+    arch = str(field("general.architecture") or "llama")
+    if _GGUF_ARCH.get(config.model_type, config.model_type) != arch:
+        raise ValueError(f"LoRA adapter {path}: made for a {arch} model, this model is {config.model_type}")
+    found: Found = {}
+    for tensor in reader.tensors:
+        base, _, which = tensor.name.rpartition(".")
+        if which not in ("lora_a", "lora_b"):
+            raise ValueError(f"LoRA adapter {path}: tensor {tensor.name!r} is not a lora_a / lora_b weight")
+        try:
+            hf_name = hf_tensor_name(base, arch)
+        except ValueError:
+            raise ValueError(f"LoRA adapter {path}: tensor {tensor.name!r} is not a layer's projection") from None
+        layer, module, _ = _module_key(path, f"{hf_name.removesuffix('.weight')}.lora_A.weight", config.num_hidden_layers)
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+        if which == "lora_b" and (order := rope_row_order(hf_name, config)) is not None:
+            values = values[order]
+        found.setdefault((layer, module), {})["lora_A" if which == "lora_a" else "lora_B"] = values
+    ranks = {pair["lora_A"].shape[0] for pair in found.values() if "lora_A" in pair}
+    if len(ranks) != 1:
+        raise ValueError(f"LoRA adapter {path}: lora_a tensors of ranks {sorted(ranks)}; one rank is supported")
+    rank = ranks.pop()
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {path}: rank {rank} is above max_lora_rank {max_rank}")
+    alpha = field("adapter.lora.alpha")
+    scale = float(alpha) / rank if isinstance(alpha, (int, float)) and alpha else 1.0
+    return found, rank, scale
+
+
+# tokenmill's model_type -> the GGUF architecture llama.cpp writes it as
+_GGUF_ARCH = {"mistral": "llama"}
 
 
 def _fused_pair(

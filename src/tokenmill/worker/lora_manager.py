@@ -12,7 +12,7 @@ from tokenmill.core.sched_output import ScheduledRow
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.cpu.kernels import lora_kernel
-from tokenmill.model.lora import LoRAAdapter, LoRASlots, StepLoRA, load_peft_adapter
+from tokenmill.model.lora import LoRAAdapter, LoRASlots, StepLoRA, load_adapter
 
 
 class LoRAManager:
@@ -59,7 +59,7 @@ class LoRAManager:
     def _get(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
-            adapter = load_peft_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
+            adapter = load_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
             self.loaded[request.lora_int_id] = adapter
             while len(self.loaded) > self.max_cpu_loras:
                 self.loaded.popitem(last=False)
