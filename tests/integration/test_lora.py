@@ -206,7 +206,9 @@ def write_gguf_lora(adapter_dir: Path, path: Path, arch: str, hf_config) -> Path
         if arch == "llama" and which == "lora_B" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = hf_config.num_attention_heads if "q_proj" in module else hf_config.num_key_value_heads
             array = _llama_cpp_permute(array, heads)
-        writer.add_tensor(name, np.ascontiguousarray(array.astype(np.float16 if which == "lora_A" else np.float32)))
+        writer.add_tensor(
+            name, np.ascontiguousarray(array.astype(np.float16 if which == "lora_A" else np.float32))
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -216,7 +218,9 @@ def write_gguf_lora(adapter_dir: Path, path: Path, arch: str, hf_config) -> Path
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_cpp_gguf_lora_on_a_gguf_base(
-    family: str, embedded_tokenizer_fields, tmp_path: Path
+    family: str,
+    embedded_tokenizer_fields,
+    tmp_path: Path,  # noqa: F811
 ) -> None:
     """llama.cpp's LoRA GGUF on a GGUF base (the llama family's q and k rows interleaved in both files): the same
     answers as peft's merged model, and as the PEFT folder of the same adapter, in one batch with the base."""
