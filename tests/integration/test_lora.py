@@ -219,8 +219,8 @@ def write_gguf_lora(adapter_dir: Path, path: Path, arch: str, hf_config) -> Path
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_cpp_gguf_lora_on_a_gguf_base(
     family: str,
-    embedded_tokenizer_fields,
-    tmp_path: Path,  # noqa: F811
+    embedded_tokenizer_fields,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """llama.cpp's LoRA GGUF on a GGUF base (the llama family's q and k rows interleaved in both files): the same
     answers as peft's merged model, and as the PEFT folder of the same adapter, in one batch with the base."""
