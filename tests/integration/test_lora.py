@@ -150,6 +150,28 @@ def test_prefix_cache_keeps_adapters_apart_and_one_slot_serves_them_in_turn(fami
     engine.scheduler.check_integrity()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family_setup", ["llama"], indirect=True)
+def test_adapters_under_speculation_and_preemption(family_setup) -> None:
+    """Speculation with the base model as the draft (the verification rows take each row's adapter, the draft
+    none) and a pool small enough to preempt (a re-prefill keeps its adapter): the same greedy tokens as a plain
+    roomy engine."""
+    _, _, base, adapters = family_setup
+    batch = prompts([32, 27, 40, 30], seed=5)
+    reqs = [lora(adapters, "all-r8"), lora(adapters, "qv-r4"), None, lora(adapters, "mlp-r16-rs")]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = Engine(model=str(base), device="cpu", enable_lora=True, max_loras=3, num_kv_blocks=256,
+                   speculative_config=None)  # fmt: skip
+    expected = [o.outputs[0].token_ids for o in plain.generate(batch, params, lora_request=reqs)]
+    tight = Engine(model=str(base), device="cpu", enable_lora=True, max_loras=3, num_kv_blocks=14, block_size=8,
+                   speculative_config={"method": "draft_model", "model": str(base), "num_speculative_tokens": 3,
+                                       "draft_p_min": 0.0, "disable_by_batch_size": 0})  # fmt: skip
+    outs = tight.generate(batch, params, lora_request=reqs)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert tight.stats.num_preemptions > 0 and tight.stats.num_spec_drafts > 0
+    assert tight.num_free_blocks == tight.num_total_blocks
+
+
 @pytest.mark.parametrize("family_setup", ["qwen2"], indirect=True)
 def test_bad_adapters_are_value_errors(family_setup, tmp_path: Path) -> None:
     family, hf_model, base, adapters = family_setup
