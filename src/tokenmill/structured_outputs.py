@@ -88,6 +88,7 @@ class StructuredOutputs:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
+        self.think_tags = think_tokens(tokenizer_json)  # <think> and </think> as tokens, where they are
         self.cache = GrammarCache(cache_bytes)
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_COMPILES)
         self.num_compile_timeouts = 0  # a counter, for /metrics
@@ -105,7 +106,9 @@ class StructuredOutputs:
 
     def _translate(self, params: StructuredOutputsParams) -> str:
         text = self._translate_constraint(params)
-        return text if params.after_think is None else after_thought(text, params.after_think)
+        return (
+            text if params.after_think is None else after_thought(text, params.after_think, self.think_tags)
+        )
 
     def _translate_constraint(self, params: StructuredOutputsParams) -> str:
         matcher = self._ll.LLMatcher
@@ -189,14 +192,40 @@ _THOUGHT = {
     "required": 'start: thought @answer\nthought[stop="</think>"]: /(?s:.*)/\n',
     "optional": 'start: (open thought)? @answer\nopen: "<think>"\nthought[stop="</think>"]: /(?s:.*)/\n',
 }
+# the same where the tags are tokens of their own (Qwen3's, DeepSeek-R1's): llguidance keeps such tokens apart
+# from text (a "</think>" string never matches them), so the thought is any token but the closing one, then it
+_THOUGHT_TOKENS = {
+    "required": "start: thought <[{end}]> @answer\nthought: <[^{end}]>*\n",
+    "optional": "start: (<[{start}]> thought <[{end}]>)? @answer\nthought: <[^{end}]>*\n",
+}
+THINK_TAGS = ("<think>", "</think>")
 
 
-def after_thought(grammar_text: str, mode: str) -> str:
+def think_tokens(tokenizer_json: str) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` where the tokenizer has each as a token of its own (an added
+    token), else None (the tags are text)."""
+    try:
+        added = {t.get("content"): t.get("id") for t in json.loads(tokenizer_json).get("added_tokens", [])}
+    except (ValueError, AttributeError):
+        return None
+    start, end = (added.get(tag) for tag in THINK_TAGS)
+    return (start, end) if isinstance(start, int) and isinstance(end, int) else None
+
+
+def after_thought(grammar_text: str, mode: str, tags: tuple[int, int] | None = None) -> str:
     """The translated constraint ``grammar_text`` (llguidance's grammar list) behind a thought (``mode``:
-    "required" or "optional", as :class:`StructuredOutputsParams.after_think`)."""
-    grammars = json.loads(grammar_text)["grammars"]
+    "required" or "optional", as :class:`StructuredOutputsParams.after_think`); ``tags``: the ids of the
+    ``<think>`` and ``</think>`` tokens where the tokenizer has them (:func:`think_tokens`)."""
+    if grammar_text.lstrip().startswith("{"):
+        grammars = json.loads(grammar_text)["grammars"]
+    else:  # a Lark grammar as it is (llguidance's grammar_from_lark returns its text)
+        grammars = [{"lark_grammar": grammar_text}]
+    if tags is None:
+        thought = _THOUGHT[mode]
+    else:
+        thought = _THOUGHT_TOKENS[mode].format(start=tags[0], end=tags[1])
     return json.dumps(
-        {"grammars": [{"lark_grammar": _THOUGHT[mode]}, {**grammars[0], "name": "answer"}, *grammars[1:]]}
+        {"grammars": [{"lark_grammar": thought}, {**grammars[0], "name": "answer"}, *grammars[1:]]}
     )
 
 

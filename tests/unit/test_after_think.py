@@ -63,3 +63,25 @@ def test_the_mode_is_part_of_the_cache_key() -> None:
     assert len(keys) == 3
     with pytest.raises(ValueError, match="after_think"):
         StructuredOutputsParams(json=SCHEMA, after_think="always")
+
+
+def test_think_tags_as_tokens_are_found_and_used() -> None:
+    """Where ``<think>`` and ``</think>`` are tokens of their own (Qwen3's tokenizer), llguidance keeps them
+    apart from text: the thought is written as "any token but </think>", the tags by id; a Lark constraint
+    (a forced tool call's) goes behind it as it is."""
+    import json
+
+    from tokenmill.structured_outputs import after_thought, think_tokens
+
+    qwen_like = json.dumps(
+        {"added_tokens": [{"id": 7, "content": "<think>"}, {"id": 9, "content": "</think>"}]}
+    )
+    assert think_tokens(qwen_like) == (7, 9)
+    assert think_tokens(json.dumps({"added_tokens": [{"id": 7, "content": "<think>"}]})) is None
+    assert think_tokens("not json") is None
+    grammar = json.loads(after_thought('start: "x"', "optional", (7, 9)))["grammars"]
+    assert grammar[0]["lark_grammar"].startswith("start: (<[7]> thought <[9]>)? @answer")
+    assert "thought: <[^9]>*" in grammar[0]["lark_grammar"]
+    assert grammar[1] == {"lark_grammar": 'start: "x"', "name": "answer"}
+    text = json.loads(after_thought('{"grammars": [{"json_schema": {}}]}', "required"))["grammars"]
+    assert text[0]["lark_grammar"].startswith("start: thought @answer") and text[1]["name"] == "answer"

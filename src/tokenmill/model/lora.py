@@ -157,7 +157,9 @@ def load_adapter(name: str, path: str | Path, config: LlamaConfig, max_rank: int
     return adapter
 
 
-Found = dict[tuple[int, str], dict[str, torch.Tensor]]  # (layer, module) -> {"lora_A": [r, in], "lora_B": [out, r]}
+Found = dict[
+    tuple[int, str], dict[str, torch.Tensor]
+]  # (layer, module) -> {"lora_A": [r, in], "lora_B": [out, r]}
 
 
 def _read_peft_tensors(folder: Path, weights_file: Path, num_layers: int) -> Found:
@@ -189,7 +191,9 @@ def _read_gguf_lora(path: Path, config: LlamaConfig, max_rank: int) -> tuple[Fou
         return None if value is None else value.contents()
 
     if field("general.type") != "adapter" or str(field("adapter.type")).lower() != "lora":
-        raise ValueError(f"LoRA adapter {path}: a GGUF with general.type adapter and adapter.type lora is expected")
+        raise ValueError(
+            f"LoRA adapter {path}: a GGUF with general.type adapter and adapter.type lora is expected"
+        )
     arch = str(field("general.architecture") or "llama")
     if _GGUF_ARCH.get(config.model_type, config.model_type) != arch:
         raise ValueError(f"LoRA adapter {path}: made for a {arch} model, this model is {config.model_type}")
@@ -201,15 +205,21 @@ def _read_gguf_lora(path: Path, config: LlamaConfig, max_rank: int) -> tuple[Fou
         try:
             hf_name = hf_tensor_name(base, arch)
         except ValueError:
-            raise ValueError(f"LoRA adapter {path}: tensor {tensor.name!r} is not a layer's projection") from None
-        layer, module, _ = _module_key(path, f"{hf_name.removesuffix('.weight')}.lora_A.weight", config.num_hidden_layers)
+            raise ValueError(
+                f"LoRA adapter {path}: tensor {tensor.name!r} is not a layer's projection"
+            ) from None
+        layer, module, _ = _module_key(
+            path, f"{hf_name.removesuffix('.weight')}.lora_A.weight", config.num_hidden_layers
+        )
         values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
         if which == "lora_b" and (order := rope_row_order(hf_name, config)) is not None:
             values = values[order]
         found.setdefault((layer, module), {})["lora_A" if which == "lora_a" else "lora_B"] = values
     ranks = {pair["lora_A"].shape[0] for pair in found.values() if "lora_A" in pair}
     if len(ranks) != 1:
-        raise ValueError(f"LoRA adapter {path}: lora_a tensors of ranks {sorted(ranks)}; one rank is supported")
+        raise ValueError(
+            f"LoRA adapter {path}: lora_a tensors of ranks {sorted(ranks)}; one rank is supported"
+        )
     rank = ranks.pop()
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {path}: rank {rank} is above max_lora_rank {max_rank}")
