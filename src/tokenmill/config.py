@@ -282,8 +282,6 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
             )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
         if self.hardware_limits not in HARDWARE_LIMIT_MODES:
             parse_hardware_limits(self.hardware_limits)  # ValueError now, not at load
         if self.tensor_parallel_size > 1 and self.quantization not in (None, "fp32"):

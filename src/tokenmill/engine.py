@@ -138,9 +138,13 @@ class Engine:
         if tp > 1:
             from tokenmill.worker.tensor_parallel import TensorParallelGroup
 
-            self.tp_group = TensorParallelGroup(
-                loaded, load_kwargs, tp, self.num_total_blocks, config.block_size, kv_dtype=self.kv_dtype
+            lora = (
+                (config.max_loras, config.max_lora_rank, config.max_cpu_loras) if config.enable_lora else None
             )
+            self.tp_group = TensorParallelGroup(
+                loaded, load_kwargs, tp, self.num_total_blocks, config.block_size, kv_dtype=self.kv_dtype,
+                lora_options=lora,
+            )  # fmt: skip
         self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
         self.runner: Any
         self.lora_manager: Any = None
@@ -179,8 +183,9 @@ class Engine:
         from tokenmill.worker.lora_manager import LoRAManager
 
         c = self.config
+        shard = None if c.tensor_parallel_size == 1 else (0, c.tensor_parallel_size)
         return LoRAManager(
-            self.loaded.config, c.max_loras, c.max_lora_rank, c.max_cpu_loras, self.loaded.device
+            self.loaded.config, c.max_loras, c.max_lora_rank, c.max_cpu_loras, self.loaded.device, shard
         )
 
     def add_lora(self, lora_request: LoRARequest) -> Any:

@@ -273,3 +273,31 @@ def test_llama_cpp_gguf_lora_on_a_gguf_base(
     write_gguf_lora(adapter_dir, other, "qwen3" if family != "qwen3" else "llama", hf_model.config)
     with pytest.raises(ValueError, match="made for a"):
         engine.add_lora(LoRARequest("o", 3, str(other)))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adapters_equal_one_rank(tokenizer_files, tmp_path: Path) -> None:  # noqa: F811
+    """TP=2 cuts each adapter as it cuts the weights (B's rows of q, k, v, gate, up; A's columns of o, down, whose
+    delta joins the all-reduce): a batch of base rows and two adapters gives TP=1's tokens and log-probabilities."""
+    hf_model = build_hf(
+        "llama", num_attention_heads=4, num_key_value_heads=2
+    )  # head_dim 24, 2 KV heads to split
+    base = save_dir(hf_model, tokenizer_files, tmp_path / "base")
+    adapters = {n: make_adapter(hf_model, tmp_path / n, seed=i, rank=4 + 4 * i, targets=ALL)
+                for i, n in enumerate(["a", "b"])}  # fmt: skip
+    batch = prompts([15, 22, 9], seed=2)
+    reqs = [LoRARequest("a", 1, str(adapters["a"])), None, LoRARequest("b", 2, str(adapters["b"]))]
+    params = PARAMS
+    common = dict(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+                  speculative_config=None)  # fmt: skip
+    one = Engine(**common).generate(batch, params, lora_request=reqs)
+    engine = Engine(**common, tensor_parallel_size=2)
+    try:
+        two = engine.generate(batch, params, lora_request=reqs)
+    finally:
+        engine.close()
+    for a, b in zip(one, two, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert abs(la.logprob - lb.logprob) < 1e-4
+    assert_matches(one[0], merged(hf_model, adapters["a"]), batch[0])

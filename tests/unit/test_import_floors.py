@@ -31,6 +31,7 @@ FLOORS: list[set[str]] = [
         "traffic",
         "cost_model",
         "reasoning",
+        "lora_request",
     },  # fmt: skip
     {"cache"},
     {"core", "stats", "roofline"},

@@ -34,9 +34,15 @@ _IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_fre
 
 
 def project(linear: nn.Module, x: torch.Tensor, lora: Any, layer: int, name: str) -> torch.Tensor:
-    """``linear(x)``, plus each row's LoRA delta when the step has adapters (``lora``: a ``model.lora.StepLoRA``)."""
-    out = linear(x)
-    return out if lora is None else lora.add(layer, name, x, out)
+    """``linear(x)``, plus each row's LoRA delta when the step has adapters (``lora``: a ``model.lora.StepLoRA``).
+    A tensor-parallel row-parallel projection (one with ``inner`` and ``reduce``) sums its ranks' partial
+    products: the delta of this rank's share of the inputs joins that sum."""
+    if lora is None:
+        return linear(x)  # type: ignore[no-any-return]
+    reduce = getattr(linear, "reduce", None)
+    if reduce is None:
+        return lora.add(layer, name, x, linear(x))  # type: ignore[no-any-return]
+    return reduce(lora.add(layer, name, x, linear.inner(x)))  # type: ignore[no-any-return]
 
 
 class Linear(nn.Linear):

@@ -275,10 +275,17 @@ class LoRASlots:
     where a slot is empty or its adapter's rank is smaller."""
 
     def __init__(
-        self, config: LlamaConfig, max_loras: int, max_rank: int, device: torch.device | str = "cpu"
+        self,
+        config: LlamaConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str = "cpu",
+        shapes: dict[str, list[tuple[str, int, int]]] | None = None,
     ) -> None:
+        """``shapes``: the projections' parts as this process holds them (a tensor-parallel rank's share);
+        default the whole model's (:func:`part_shapes`)."""
         self.max_loras, self.max_rank = max_loras, max_rank
-        shapes = part_shapes(config)
+        shapes = part_shapes(config) if shapes is None else shapes
         self.parts = {fused: len(parts) for fused, parts in shapes.items()}
         self.part_starts = {
             fused: [0, *itertools.accumulate(p[1] for p in parts)] for fused, parts in shapes.items()

@@ -23,11 +23,19 @@ class LoRAManager:
         max_rank: int,
         max_cpu_loras: int | None,
         device: torch.device | str = "cpu",
+        shard: tuple[int, int] | None = None,
     ) -> None:
+        """``shard``: (rank, world) of a tensor-parallel model: adapters are loaded whole (their shapes checked
+        against the whole model) and cut to this rank's share (``tensor_parallel.lora_shard``)."""
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.slots = LoRASlots(config, max_loras, max_rank, device)
+        shapes, self._cut = None, None
+        if shard is not None:
+            from tokenmill.worker.tensor_parallel import lora_shard
+
+            shapes, self._cut = lora_shard(config, *shard)
+        self.slots = LoRASlots(config, max_loras, max_rank, device, shapes)
         self.kernel = lora_kernel() if torch.device(device).type == "cpu" else None
         self.requests: dict[int, LoRARequest] = {}  # every adapter added, by id
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # most recently used last
@@ -60,11 +68,17 @@ class LoRAManager:
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
+            if self._cut is not None:
+                adapter = self._cut(adapter)
             self.loaded[request.lora_int_id] = adapter
             while len(self.loaded) > self.max_cpu_loras:
                 self.loaded.popitem(last=False)
         self.loaded.move_to_end(request.lora_int_id)
         return adapter
+
+    def requests_of(self, rows: list[ScheduledRow]) -> dict[int, LoRARequest]:
+        """The adapters these rows use, by id (what a tensor-parallel step sends its workers)."""
+        return {row.lora_id: self.requests[row.lora_id] for row in rows if row.lora_id}
 
     def step(self, rows: list[ScheduledRow], step_index: int) -> StepLoRA | None:
         """The step's adapters in slots and each token's slot; None when no row has one. The scheduler admits at

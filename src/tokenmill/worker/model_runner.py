@@ -111,7 +111,9 @@ class ModelRunner:
                     output.num_drafted[row.request_id] = row.num_spec_tokens
             rows = filled
         if self.tp_group is not None:  # the workers run the same forward on their shards
-            self.tp_group.broadcast(rows)
+            self.tp_group.broadcast(
+                rows, {} if self.lora_manager is None else self.lora_manager.requests_of(rows)
+            )
         self.num_steps += 1
         lora = None if self.lora_manager is None else self.lora_manager.step(rows, self.num_steps)
         hidden = forward_rows(self.model, rows, self.kv_caches, self.block_size, self.device, lora)  # [T, H]

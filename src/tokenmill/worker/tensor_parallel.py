@@ -26,6 +26,7 @@ collective with a dead peer fails after ``timeout_s`` instead of hanging.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import socket
 from datetime import timedelta
@@ -47,7 +48,10 @@ class AllReduce(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
+        return self.reduce(self.inner(x))
+
+    @staticmethod
+    def reduce(out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)
         return out
 
@@ -113,6 +117,42 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int) -> Any:
     return dataclasses.replace(config, num_key_value_heads=k1 - k0, num_attention_heads=q1 - q0)
 
 
+def lora_shard(config: Any, rank: int, world: int) -> tuple[dict[str, list[tuple[str, int, int]]], Any]:
+    """This rank's LoRA projection shapes, and the function that cuts an adapter (``model/lora.py``: stacked A,
+    block-diagonal B) to them as :func:`shard_model` cuts the weights: the column-parallel projections (qkv,
+    gate_up) keep their rows of B, the row-parallel ones (o, down) their columns of A, whose delta joins the
+    projection's sum over the ranks (``llama.project``)."""
+    from tokenmill.model.lora import part_shapes
+
+    d, group, h = config.head_dim, config.num_queries_per_kv, config.hidden_size
+    k0, k1 = split(config.num_key_value_heads, world, rank)
+    q0, q1 = k0 * group, k1 * group
+    i0, i1 = split(config.intermediate_size, world, rank)
+    rows = {
+        "qkv_proj": [(q0 * d, q1 * d), (k0 * d, k1 * d), (k0 * d, k1 * d)],
+        "gate_up_proj": [(i0, i1)] * 2,
+    }
+    cols = {"o_proj": (q0 * d, q1 * d), "down_proj": (i0, i1)}
+    full = part_shapes(config)
+    shapes = {fused: [(n, b - a, k) for (n, _, k), (a, b) in zip(full[fused], r, strict=True)]
+              for fused, r in rows.items()}  # fmt: skip
+    shapes.update({fused: [(fused, h, b - a)] for fused, (a, b) in cols.items()})
+
+    def cut(adapter: Any) -> Any:
+        weights = {}
+        for (layer, fused), (a, b) in adapter.weights.items():
+            if fused in rows:
+                starts = accumulate((p[1] for p in full[fused]), initial=0)
+                index = torch.cat([torch.arange(s + lo, s + hi) for s, (lo, hi) in zip(starts, rows[fused])])
+                weights[(layer, fused)] = (a, b[index].contiguous())
+            else:
+                lo, hi = cols[fused]
+                weights[(layer, fused)] = (a[:, lo:hi].contiguous(), b)
+        return dataclasses.replace(adapter, weights=weights)
+
+    return shapes, cut
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,8 +181,10 @@ def _backend_and_device(load_kwargs: dict[str, Any], rank: int) -> tuple[str, di
 
 
 def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str, Any], num_blocks: int,
-                 block_size: int, num_threads: int, timeout_s: float, kv_dtype: str) -> None:  # fmt: skip
+                 block_size: int, num_threads: int, timeout_s: float, kv_dtype: str,
+                 lora_options: tuple[int, int, int | None] | None = None) -> None:  # fmt: skip
     from tokenmill.model.loader import allocate_kv_cache, load_model
+    from tokenmill.worker.lora_manager import LoRAManager
     from tokenmill.worker.model_runner import forward_rows
 
     torch.set_num_threads(num_threads)
@@ -152,15 +194,23 @@ def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str,
     loaded = load_model(**load_kwargs)
     local_config = _prepare(loaded, rank, world)
     kv = allocate_kv_cache(local_config, num_blocks, block_size, getattr(torch, kv_dtype), loaded.device)
+    loras = None
+    if lora_options is not None:
+        loras = LoRAManager(loaded.config, *lora_options, device=loaded.device, shard=(rank, world))
     dist.barrier()  # loaded: the driver may start
     with torch.inference_mode():
-        while True:
+        for step in itertools.count(1):
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
-            rows = box[0]
-            if rows is None:
+            if box[0] is None:
                 break
-            forward_rows(loaded.model, rows, kv, block_size, loaded.device)
+            rows, requests = box[0]
+            step_lora = None
+            if loras is not None:
+                for request in requests.values():
+                    loras.add(request)
+                step_lora = loras.step(rows, step)
+            forward_rows(loaded.model, rows, kv, block_size, loaded.device, step_lora)
     dist.destroy_process_group()
 
 
@@ -168,7 +218,9 @@ class TensorParallelGroup:
     """The driver's side: starts ``world - 1`` workers, shards its own model as rank 0, broadcasts each step."""
 
     def __init__(self, loaded: Any, load_kwargs: dict[str, Any], world: int, num_blocks: int, block_size: int,
-                 timeout_s: float = 30.0, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+                 timeout_s: float = 30.0, kv_dtype: torch.dtype | None = None,
+                 lora_options: tuple[int, int, int | None] | None = None) -> None:  # fmt: skip
+        """``lora_options``: (max_loras, max_lora_rank, max_cpu_loras) when LoRA adapters are served."""
         check_size(loaded.config.num_key_value_heads, world)
         if loaded.device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(
@@ -194,6 +246,7 @@ class TensorParallelGroup:
                     num_threads,
                     timeout_s,
                     str(kv_dtype or loaded.dtype).removeprefix("torch."),
+                    lora_options,
                 ),
                 daemon=True,
                 name=f"tokenmill-tp{r}",
@@ -215,10 +268,11 @@ class TensorParallelGroup:
             if not w.is_alive():
                 raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {w.exitcode})")
 
-    def broadcast(self, rows: list[Any]) -> None:
-        """A step's scheduled rows (``ScheduledRow``: plain data), to every worker."""
+    def broadcast(self, rows: list[Any], loras: dict[int, Any] | None = None) -> None:
+        """A step's scheduled rows (``ScheduledRow``: plain data), and the LoRA adapters they use (``LoRARequest``
+        by id), to every worker."""
         self.check_alive()
-        dist.broadcast_object_list([rows], src=0)
+        dist.broadcast_object_list([(rows, loras or {})], src=0)
 
     def close(self) -> None:
         if self._closed:
