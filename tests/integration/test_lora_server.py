@@ -46,7 +46,7 @@ def setup(tokenizer_files, tmp_path_factory) -> Iterator[dict[str, Any]]:  # noq
     async_engine = AsyncEngine(engine, max_queue=16)
     mp = pytest.MonkeyPatch()
     mp.setenv("TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING", "1")
-    app = build_app(async_engine, "base", lora_modules=loras)
+    app = build_app(async_engine, "base", lora_modules=loras, enable_per_request_metrics=True)
     async_engine.start()
     yield {"app": app, "hf": hf_model, "adapters": adapters, "engine": engine}
     async_engine.stop()
@@ -81,6 +81,12 @@ def test_model_picks_the_adapter_and_models_lists_them(setup) -> None:
         return [m async for m in c.models.list()]
 
     listed = asyncio.run(list_models())
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    structured = asyncio.run(c.completions.create(
+        model="sql", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"guided_json": schema}
+    ))  # fmt: skip
+    assert json.loads(structured.choices[0].text)["n"] in (1, 2) and structured.model == "sql"
+    assert structured.model_extra["metrics"]["num_output_tokens"] == structured.usage.completion_tokens
     assert [m.id for m in listed] == ["base", "law", "sql"]
     assert [m.model_extra.get("parent") for m in listed] == [None, "base", "base"]
     assert listed[2].model_extra["root"] == str(setup["adapters"]["sql"])
