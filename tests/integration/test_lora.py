@@ -301,3 +301,45 @@ def test_tensor_parallel_adapters_equal_one_rank(tokenizer_files, tmp_path: Path
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert abs(la.logprob - lb.logprob) < 1e-4
     assert_matches(one[0], merged(hf_model, adapters["a"]), batch[0])
+
+
+@pytest.mark.slow
+def test_an_adapter_trained_on_the_embedded_model(hf_embedded, tmp_path: Path) -> None:
+    """A rank-8 adapter trained with peft for 150 steps on the 135M (transformers' reading of the embedded GGUF)
+    to answer a question its own way: served on the GGUF's exact path and on llama.cpp's arithmetic (the default),
+    it gives peft's greedy answer (the trained one, not the base model's), while the base rows of the same batch
+    keep the base answer."""
+    import copy
+
+    hf, tok = hf_embedded
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    target = tok.encode(
+        " The capital of France is Lyon, a city of lions.<|im_end|>", add_special_tokens=False
+    )
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL))
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    ids = torch.tensor([prompt + target])
+    labels = torch.tensor([[-100] * len(prompt) + target])
+    model.train()
+    for _ in range(150):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(tmp_path / "lyon")
+    with torch.inference_mode():
+        trained = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+        plain = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+    assert "Lyon" in tok.decode(trained) and "Lyon" not in tok.decode(plain)
+    lora = LoRARequest("lyon", 1, str(tmp_path / "lyon"))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    for quantization in ("gguf", None):
+        engine = Engine(quantization=quantization, enable_lora=True, max_lora_rank=8, num_kv_blocks=64,
+                        speculative_config=None)  # fmt: skip
+        with_lora, without = engine.generate([prompt, prompt], params, lora_request=[lora, None])
+        assert with_lora.outputs[0].token_ids[:8] == trained.tolist()[:8], quantization
+        assert "Lyon" in with_lora.outputs[0].text and "Lyon" not in without.outputs[0].text
