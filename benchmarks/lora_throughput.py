@@ -3,8 +3,8 @@
     python -m benchmarks.lora_throughput [--model NAME] [--num-adapters 4] [--rank 16] [--num-requests 16]
                                          [--max-tokens 64] [--prompt-tokens 128] [--rounds 2]
 
-Random rank-``--rank`` adapters on every projection (q, k, v, o, gate, up, down; PEFT folders written to a
-temporary directory) serve ``--num-requests`` concurrent requests spread evenly over them; the same requests run
+Random rank-``--rank`` adapters on every projection (q, k, v, o, gate, up, down), or ``--targets`` (PEFT folders
+written to a temporary directory), serve ``--num-requests`` concurrent requests spread evenly over them; the same requests run
 on the base model in the same engine (``enable_lora=True``, ``max_loras`` = the adapters). Rounds alternate the
 two; printed: the best tokens/s of each and their ratio (the target: adapters at least 0.85 of the base).
 """
@@ -29,8 +29,10 @@ MODULES = {
 }  # fmt: skip
 
 
-def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:  # type: ignore[no-untyped-def]
-    """A random PEFT LoRA folder for a model of ``config`` (tokenmill's LlamaConfig)."""
+def write_adapter(folder: Path, config, rank: int, seed: int, targets: list[str] | None = None) -> Path:  # type: ignore[no-untyped-def]
+    """A random PEFT LoRA folder for a model of ``config`` (tokenmill's LlamaConfig) on ``targets`` (default: every
+    projection)."""
+    targets = list(MODULES) if targets is None else targets
     import torch
     from safetensors.torch import save_file
 
@@ -40,14 +42,14 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:  # type: 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
-        for module, block in MODULES.items():
-            rows, cols = shapes[module]
+        for module in targets:
+            block, (rows, cols) = MODULES[module], shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, cols, generator=generator) / cols**0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(rows, rank, generator=generator) * 0.01
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}
+    config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
     (folder / "adapter_config.json").write_text(json.dumps(config_json))
     return folder
 
@@ -65,19 +67,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--targets",
+        default="all",
+        help="all (every projection) or a comma list, e.g. q_proj,v_proj (peft's default)",
+    )
     args = parser.parse_args(argv)
     from tokenmill import LLM, LoRARequest, SamplingParams
 
     llm = LLM(None if args.model == "embedded" else args.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
               enable_prefix_caching=False)  # fmt: skip
     config = llm.engine.loaded.config
+    targets = None if args.targets == "all" else args.targets.split(",")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, config.vocab_size - 100) for _ in range(args.prompt_tokens)]
                for _ in range(args.num_requests)]  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         adapters = [
-            LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", config, args.rank, seed=i)))
+            LoRARequest(
+                f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", config, args.rank, i, targets))
+            )
             for i in range(args.num_adapters)
         ]
         loras = [adapters[i % len(adapters)] for i in range(args.num_requests)]
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 best[name] = max(best[name], rate)
                 print(f"round {round_ + 1}: {name:<8} {rate:7.1f} tok/s", flush=True)
     print(f"{cpu_name()}; {Path(llm.engine.loaded.source).name} ({llm.engine.quantization}); "
-          f"{args.num_requests} requests over {args.num_adapters} adapters of rank {args.rank}, "
+          f"{args.num_requests} requests over {args.num_adapters} adapters of rank {args.rank} on {args.targets}, "
           f"{args.prompt_tokens} + {args.max_tokens} tokens each")  # fmt: skip
     ratio = best["adapters"] / best["base"]
     print(f"base {best['base']:.1f} tok/s, adapters {best['adapters']:.1f} tok/s: {ratio:.3f}x "

@@ -356,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
             self._rope_cos_sin(inv_freq, positions, x.dtype, scale)
             for inv_freq, scale in zip(self._inv_freqs, self._rope_scales)
         ]
-        fused = self.compute_backend().fused_step(meta) if meta.lora is None else None
+        fused = self.compute_backend().fused_step(meta)
         if fused is not None:  # the whole step in one call (the backend's decode stack)
             return fused(x, ropes[0], meta, kv_caches)
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -300,10 +300,25 @@ class LoRASlots:
                 )
                 self.b[(layer, fused)] = torch.zeros(max_loras, max_rank, out_rows, device=device)
         self.holder: list[int | None] = [None] * max_loras  # the adapter id in each slot
+        self._stack_weights: list[torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    def stack_weights(self) -> list[torch.Tensor]:
+        """Per layer, (a, b) of qkv, o, gate_up and down: what the C++ decode stack takes (``forward_lora``); the
+        same tensors every step (a placement writes into them)."""
+        if self._stack_weights is None:
+            layers = sorted({layer for layer, _ in self.a})
+            order = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            self._stack_weights = [
+                t
+                for layer in layers
+                for fused in order
+                for t in (self.a[(layer, fused)], self.b[(layer, fused)])
+            ]
+        return self._stack_weights
 
     def place(self, slot: int, adapter_id: int, adapter: LoRAAdapter) -> None:
         """Copy ``adapter`` into ``slot`` (every projection; the ones it leaves are zeroed)."""

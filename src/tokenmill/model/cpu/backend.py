@@ -152,6 +152,8 @@ class CpuKernelBackend(TorchBackend):
             return None
         if self._window is not None and max(meta.seq_lens) > self._window:
             return None
+        if meta.lora is not None and getattr(meta.lora, "kernel", None) is None:
+            return None  # adapters without the C++ kernels: layer by layer
         return self._decode_stack_step
 
     def _decode_stack_step(
@@ -163,7 +165,7 @@ class CpuKernelBackend(TorchBackend):
     ) -> torch.Tensor:
         rows = meta.plan.decode_rows  # type: ignore[union-attr]
         cos, sin = rope
-        return self.decode_stack.forward(  # type: ignore[no-any-return]
+        args = (
             x,
             cos.view(x.shape[0], -1),  # [T, R/2]
             sin.view(x.shape[0], -1),
@@ -173,6 +175,10 @@ class CpuKernelBackend(TorchBackend):
             rows.block_tables,
             rows.seq_lens,
         )
+        if meta.lora is not None:  # each row's adapter added after every projection, in the stack
+            lora = meta.lora
+            return self.decode_stack.forward_lora(*args, lora.slots.stack_weights(), lora.index)  # type: ignore[no-any-return]
+        return self.decode_stack.forward(*args)  # type: ignore[no-any-return]
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -46,5 +46,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
                           double>())
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("forward_lora", &DecodeStack::forward_lora);
 }

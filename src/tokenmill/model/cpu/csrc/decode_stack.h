@@ -14,6 +14,7 @@
 
 #include "attention_decode.h"
 #include "elementwise.h"
+#include "lora.h"
 #include "panel_linear.h"
 #include "quant_linear.h"
 #include "small_linear.h"
@@ -117,6 +118,16 @@ class DecodeStack {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                         std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor seq_lens) const {
+    return forward_lora(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens, {}, torch::Tensor());
+  }
+
+  // forward, each row's LoRA delta added after every projection (csrc/lora.h): lora_weights per layer (a, b) of
+  // qkv, o, gate_up, down (a [S * P * R, in], b [S, R, out] fp32, model/lora.py's slots), lora_slots [M] int64
+  // (-1: none); an empty lora_weights: no adapters.
+  torch::Tensor forward_lora(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                             std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+                             torch::Tensor block_tables, torch::Tensor seq_lens,
+                             std::vector<torch::Tensor> lora_weights, torch::Tensor lora_slots) const {
     const int64_t M = x.size(0), H = hidden_, D = head_dim_, Hq = num_heads_, Hkv = num_kv_heads_;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.scalar_type() == torch::kFloat32, "x: fp32 [M, hidden]");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() &&
@@ -151,6 +162,30 @@ class DecodeStack {
     const float* sin_p = sin_t.data_ptr<float>();
 
     const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
+    const bool lora = !lora_weights.empty();
+    std::vector<LoraBlock> lora_rows;
+    int64_t lora_rank = 0;
+    if (lora) {
+      TORCH_CHECK(static_cast<int64_t>(lora_weights.size()) == 8 * num_layers(), "lora_weights: 8 per layer");
+      for (const auto& t : lora_weights)
+        TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && !t.is_cuda(), "lora_weights: fp32");
+      TORCH_CHECK(lora_slots.defined() && lora_slots.scalar_type() == torch::kInt64 && lora_slots.numel() == M &&
+                      lora_slots.is_contiguous(),
+                  "lora_slots: int64 [M]");
+      lora_rank = lora_weights[1].size(1);
+      lora_rows = lora_blocks(lora_slots.data_ptr<int64_t>(), M, lora_weights[1].size(0));
+    }
+    // out [M, N] += the rows' adapter deltas of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
+    auto add_lora = [&](int64_t l, int p, const float* in, int64_t K, float* out, std::vector<int64_t> parts) {
+      if (!lora) return;
+      const torch::Tensor& a = lora_weights[8 * l + 2 * p];
+      const torch::Tensor& b = lora_weights[8 * l + 2 * p + 1];
+      const int64_t N = parts.back(), P = static_cast<int64_t>(parts.size()) - 1;
+      TORCH_CHECK(a.dim() == 2 && a.size(1) == K && b.dim() == 3 && b.size(1) == lora_rank && b.size(2) == N &&
+                      a.size(0) == b.size(0) * P * lora_rank,
+                  "lora_weights of layer ", l, " projection ", p, ": a [S * P * R, in], b [S, R, out]");
+      lora_add_raw(in, K, out, N, a.data_ptr<float>(), b.data_ptr<float>(), lora_rank, parts, lora_rows);
+    };
     int64_t max_inter = 0;
     for (const auto& L : layers_) max_inter = std::max(max_inter, L.down.in_features());
     auto residual = x.contiguous().clone();  // [M, H], updated in place layer by layer
@@ -171,6 +206,7 @@ class DecodeStack {
       for (int64_t m = 0; m < M; ++m)
         rms_norm_row(h + m * H, L.input_norm.data_ptr<float>(), H, eps_, normed.data() + m * H);
       L.qkv.apply(normed.data(), M, qkv.data());  // [M, q | k | v]
+      add_lora(l, 0, normed.data(), H, qkv.data(), {0, q_size, q_size + kv_size, qkv_size});
       for (int64_t m = 0; m < M; ++m) {
         float* row = qkv.data() + m * qkv_size;
         if (L.qkv_bias.defined()) {
@@ -203,15 +239,18 @@ class DecodeStack {
                     attn.data());
       });
       L.o.apply(attn.data(), M, proj.data());
+      add_lora(l, 1, attn.data(), q_size, proj.data(), {0, H});
       for (int64_t i = 0; i < M * H; ++i) h[i] += proj[i];
 
       for (int64_t m = 0; m < M; ++m)
         rms_norm_row(h + m * H, L.post_norm.data_ptr<float>(), H, eps_, normed.data() + m * H);
       const int64_t I = L.down.in_features();
       L.gate_up.apply(normed.data(), M, gate_up.data());  // [M, gate | up]
+      add_lora(l, 2, normed.data(), H, gate_up.data(), {0, I, 2 * I});
       for (int64_t m = 0; m < M; ++m)
         silu_mul_row(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, I, act.data() + m * I);
       L.down.apply(act.data(), M, proj.data());
+      add_lora(l, 3, act.data(), I, proj.data(), {0, H});
       for (int64_t i = 0; i < M * H; ++i) h[i] += proj[i];
     }
     auto out = torch::empty_like(residual);

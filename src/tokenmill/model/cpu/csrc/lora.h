@@ -113,6 +113,21 @@ inline std::vector<LoraBlock> lora_blocks(const int64_t* slot, int64_t T, int64_
   return blocks;
 }
 
+// out += each block's rows through its slot: x [T, K], out [T, N], a [S * P * R, K], b [S, R, N] (checked by the
+// caller), P = part_starts.size() - 1
+inline void lora_add_raw(const float* xp, int64_t K, float* op, int64_t N, const float* ap, const float* bp, int64_t R,
+                         const std::vector<int64_t>& part_starts, const std::vector<LoraBlock>& blocks) {
+  const int64_t PR = (static_cast<int64_t>(part_starts.size()) - 1) * R;
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> h(kLoraRows * PR);
+    for (int64_t i = b0; i < b1; ++i) {
+      const LoraBlock& blk = blocks[i];
+      lora_block<kLoraRows>(xp, K, op, N, blk, ap + blk.slot * PR * K, bp + blk.slot * R * N, PR, R, part_starts,
+                            h.data());
+    }
+  });
+}
+
 // x [T, K], out [T, N] fp32 (out updated in place), a [S * P * R, K], b [S, R, N] fp32, slots [T] int64 (-1: none).
 inline void lora_add_(torch::Tensor x, torch::Tensor out, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
                       std::vector<int64_t> part_starts) {
@@ -130,20 +145,8 @@ inline void lora_add_(torch::Tensor x, torch::Tensor out, torch::Tensor a, torch
   for (int64_t i = 0; i < P; ++i) TORCH_CHECK(part_starts[i] < part_starts[i + 1], "part_starts must increase");
   TORCH_CHECK(out.size(0) == T && slots.size(0) == T, "x, out and slots: one row per token");
   TORCH_CHECK(b.size(2) == N && a.size(0) == S * P * R && a.size(1) == K, "a [S * P * R, K] and b [S, R, N]");
-  const std::vector<LoraBlock> blocks = lora_blocks(slots.data_ptr<int64_t>(), T, S);
-  const float* xp = x.data_ptr<float>();
-  const float* ap = a.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t PR = P * R;
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> h(kLoraRows * PR);
-    for (int64_t i = b0; i < b1; ++i) {
-      const LoraBlock& blk = blocks[i];
-      lora_block<kLoraRows>(xp, K, op, N, blk, ap + blk.slot * PR * K, bp + blk.slot * R * N, PR, R, part_starts,
-                            h.data());
-    }
-  });
+  lora_add_raw(x.data_ptr<float>(), K, out.data_ptr<float>(), N, a.data_ptr<float>(), b.data_ptr<float>(), R,
+               part_starts, lora_blocks(slots.data_ptr<int64_t>(), T, S));
 }
 
 }  // namespace
