@@ -238,7 +238,8 @@ def write_gguf_lora(adapter_dir: Path, path: Path, arch: str, hf_config) -> Path
     return path
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_llama_cpp_gguf_lora_on_a_gguf_base(
     family: str,
     embedded_tokenizer_fields,  # noqa: F811

@@ -65,7 +65,10 @@ def test_multi_turn_chat_same_tokens_and_later_turns_hit(make_engine: Any) -> No
     assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]  # each turn reuses the previous ones
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype",
+    ["auto", pytest.param("int8", marks=pytest.mark.slow), pytest.param("fp8", marks=pytest.mark.slow)],
+)
 def test_preempted_and_resumed_same_tokens_on_and_off(make_engine: Any, kv_cache_dtype: str) -> None:
     prompts = [PREFIX[:40] + [300 + 3 * i + j for j in range(4 + 3 * i)] for i in range(8)]
     params = [greedy(8 + 3 * i) for i in range(8)]

@@ -66,9 +66,9 @@ def test_tp2_with_ngram_speculation_equals_tp1() -> None:
 
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "kv_dtype"),
-    [  # int8 in the default run; the other dtypes' layouts split the same way (slow: 8 s each)
+    [  # 8 s each: with the slow tests (the fp16 default's split runs in the default run's other TP tests)
         pytest.param("bf16", "torch.bfloat16", marks=pytest.mark.slow),
-        ("int8", "torch.int8"),
+        pytest.param("int8", "torch.int8", marks=pytest.mark.slow),
         pytest.param("fp8", "torch.float8_e4m3fn", marks=pytest.mark.slow),
     ],
 )
