@@ -62,12 +62,6 @@ class LoRAAdapter:
     digest: str  # sha256 of the weights file: the prefix cache keeps adapters apart by it
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
-        )
-
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
     config_file = path / "adapter_config.json"
@@ -301,10 +295,6 @@ class LoRASlots:
                 self.b[(layer, fused)] = torch.zeros(max_loras, max_rank, out_rows, device=device)
         self.holder: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self._stack_weights: list[torch.Tensor] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
     def stack_weights(self) -> list[torch.Tensor]:
         """Per layer, (a, b) of qkv, o, gate_up and down: what the C++ decode stack takes (``forward_lora``); the
