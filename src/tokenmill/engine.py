@@ -98,14 +98,12 @@ class Engine:
         import torch
 
         from tokenmill.model.loader import load_model
-        from tokenmill.worker.model_runner import ModelRunner
 
         config = replace(config or EngineConfig(), **overrides) if overrides else (config or EngineConfig())
         self.config = config
         self.clock = clock
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        tp = config.tensor_parallel_size
         load_kwargs = _load_kwargs(config)
         if loaded is None:
             loaded = load_model(**load_kwargs)
@@ -120,13 +118,7 @@ class Engine:
         self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
         # An embedding model (an encoder, model/encoder.py): prompts are pooled, not continued; no KV is kept.
         self.is_pooling = bool(getattr(loaded.model, "is_encoder", False))
-        if (
-            config.speculative_config == SPECULATION_AUTO
-        ):  # the default's: n-gram lookup, none for an embedding model
-            config = replace(config, speculative_config=None if self.is_pooling else SpeculativeConfig())
-            self.config = config
-        if self.is_pooling and (config.speculative_config is not None or tp > 1):
-            raise ValueError("an embedding model runs without speculative_config and tensor parallelism")
+        config = self.config = self._resolve_speculation(config)
         self.draft = self._load_draft()
         model_dtype = str(loaded.dtype).removeprefix("torch.")
         self.kv_dtype = getattr(
@@ -134,39 +126,10 @@ class Engine:
         )
         self._size_kv_pool()
         self._build_scheduler()
-        self.tp_group: Any = None
-        if tp > 1:
-            from tokenmill.worker.tensor_parallel import TensorParallelGroup
-
-            lora = (
-                (config.max_loras, config.max_lora_rank, config.max_cpu_loras) if config.enable_lora else None
-            )
-            self.tp_group = TensorParallelGroup(
-                loaded, load_kwargs, tp, self.num_total_blocks, config.block_size, kv_dtype=self.kv_dtype,
-                lora_options=lora,
-            )  # fmt: skip
+        self.tp_group = self._build_tp_group(load_kwargs) if config.tensor_parallel_size > 1 else None
         self._requests: dict[str, Request] = {}  # every request not yet handed back as finished
-        self.runner: Any
-        self.lora_manager: Any = None
-        if self.is_pooling:
-            from tokenmill.worker.pooling_runner import PoolingRunner
-
-            self.runner = PoolingRunner(loaded)
-        else:
-            spec = config.speculative_config
-            self.lora_manager = self._build_lora_manager()
-            self.runner = ModelRunner(
-                loaded,
-                self.num_total_blocks,
-                config.block_size,
-                self._requests,
-                seed=config.seed,
-                tp_group=self.tp_group,
-                draft=self.draft,
-                draft_p_min=spec.resolved_draft_p_min if isinstance(spec, SpeculativeConfig) else 0.0,
-                kv_dtype=self.kv_dtype,
-                lora_manager=self.lora_manager,
-            )
+        self.lora_manager = None if self.is_pooling else self._build_lora_manager()
+        self.runner = self._build_runner()
         self.kv_disk = self._build_kv_disk_tier()
         self.stats = EngineStats()
         self.roofline = self._build_roofline()
@@ -177,13 +140,57 @@ class Engine:
         self._structured_outputs: Any = None
         self._structured_lock = threading.Lock()
 
+    def _resolve_speculation(self, config: EngineConfig) -> EngineConfig:
+        """The default speculation (n-gram lookup; none for an embedding model) made explicit; ValueError for an
+        embedding model asked to speculate or to split over processes."""
+        if config.speculative_config == SPECULATION_AUTO:
+            config = replace(config, speculative_config=None if self.is_pooling else SpeculativeConfig())
+        if self.is_pooling and (config.speculative_config is not None or config.tensor_parallel_size > 1):
+            raise ValueError("an embedding model runs without speculative_config and tensor parallelism")
+        return config
+
+    def _build_tp_group(self, load_kwargs: dict[str, Any]) -> Any:
+        from tokenmill.worker.tensor_parallel import TensorParallelGroup
+
+        c = self.config
+        lora = (c.max_loras, c.max_lora_rank, c.max_cpu_loras) if c.enable_lora else None
+        return TensorParallelGroup(
+            self.loaded, load_kwargs, c.tensor_parallel_size, self.num_total_blocks, c.block_size,
+            kv_dtype=self.kv_dtype, lora_options=lora,
+        )  # fmt: skip
+
+    def _build_runner(self) -> Any:
+        """The pooling runner for an embedding model, else the model runner (with its draft and adapters)."""
+        if self.is_pooling:
+            from tokenmill.worker.pooling_runner import PoolingRunner
+
+            return PoolingRunner(self.loaded)
+        from tokenmill.worker.model_runner import ModelRunner
+
+        c, spec = self.config, self.config.speculative_config
+        return ModelRunner(
+            self.loaded,
+            self.num_total_blocks,
+            c.block_size,
+            self._requests,
+            seed=c.seed,
+            tp_group=self.tp_group,
+            draft=self.draft,
+            draft_p_min=spec.resolved_draft_p_min if isinstance(spec, SpeculativeConfig) else 0.0,
+            kv_dtype=self.kv_dtype,
+            lora_manager=self.lora_manager,
+        )
+
     def _build_lora_manager(self) -> Any:
         if not self.config.enable_lora:
             return None
         from tokenmill.worker.lora_manager import LoRAManager
+        from tokenmill.worker.tensor_parallel import lora_shard
 
         c = self.config
-        shard = None if c.tensor_parallel_size == 1 else (0, c.tensor_parallel_size)
+        shard = (
+            None if c.tensor_parallel_size == 1 else lora_shard(self.loaded.config, 0, c.tensor_parallel_size)
+        )
         return LoRAManager(
             self.loaded.config, c.max_loras, c.max_lora_rank, c.max_cpu_loras, self.loaded.device, shard
         )
@@ -431,6 +438,46 @@ class Engine:
         request's constraint compiled already (:meth:`structured_outputs`), else it is compiled here.
         ``lora_request``: the LoRA adapter to run with (loaded now if it is not; needs ``enable_lora``)."""
         params = params or self.default_sampling_params()
+        text, token_ids = self._prompt_tokens(prompt, params)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self._requests:
+            raise BadRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        for tok in params.stop_token_ids:
+            self._check_vocab(tok, "stop_token_ids")
+        for tok in params.logit_bias:
+            self._check_vocab(tok, "logit_bias")
+        adapter = None if lora_request is None else self.add_lora(lora_request)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.structured_outputs().compile(
+                params.structured_outputs
+            )  # ValueError before queueing
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            prompt=text,
+            cache_salt=cache_salt,
+            lora_id=0 if lora_request is None else lora_request.lora_int_id,
+            lora_key=None if adapter is None else adapter.digest,
+            grammar=None if params.structured_outputs is None else grammar,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            ),
+        )
+        self.scheduler.add_request(request)  # raises ValueError when it could never fit
+        self._requests[request_id] = request
+        return request_id
+
+    def _prompt_tokens(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids; BadRequestError for an empty prompt, an
+        id out of the vocabulary, or generation asked of an embedding model."""
         if self.is_pooling and params.max_tokens != 0:
             raise BadRequestError(
                 f"{self.model_name} is an embedding model: it generates no tokens (use embed(), or max_tokens=0)",
@@ -446,42 +493,7 @@ class Engine:
             token_ids = self.validate_token_ids(prompt)
         if not token_ids:
             raise BadRequestError("prompt must contain at least one token", param="prompt")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        elif request_id in self._requests:
-            raise BadRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        for tok in params.stop_token_ids:
-            self._check_vocab(tok, "stop_token_ids")
-        for tok in params.logit_bias:
-            self._check_vocab(tok, "logit_bias")
-        adapter = None if lora_request is None else self.add_lora(lora_request)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
-            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-            prompt=text,
-            cache_salt=cache_salt,
-            lora_id=0 if lora_request is None else lora_request.lora_int_id,
-            lora_key=None if adapter is None else adapter.digest,
-            # a bad constraint raises ValueError here, before the request is queued
-            grammar=None
-            if params.structured_outputs is None
-            else grammar
-            if grammar is not None
-            else self.structured_outputs().compile(params.structured_outputs),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            ),
-        )
-        self.scheduler.add_request(request)  # raises ValueError when it could never fit
-        self._requests[request_id] = request
-        return request_id
+        return text, token_ids
 
     @property
     def built_structured_outputs(self) -> Any:

@@ -12,26 +12,27 @@ DEFAULT_KV_DISK_BYTES = 8 << 30  # the disk tier's bound when a command builds t
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
+    _add_model_arguments(parser)
+    _add_kv_cache_arguments(parser)
+    _add_scheduling_arguments(parser)
+    _add_compute_arguments(parser)
+    _add_lora_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and arithmetic")
     g.add_argument(
         "--model",
         default=None,
         help="GGUF file, HF directory or a pulled model's name (default: embedded SmolLM2-135M-Instruct)",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
+        "--dtype",
         default=None,
-        help="tokens per step; long prompts go in chunks of this (server default 512 on CPU, 2048 on CUDA)",
+        choices=["float32", "bfloat16", "float16"],
+        help="activations and unquantized weights (default: float32 on CPU, bfloat16 on CUDA)",
     )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--reserve", default="none", choices=["none", "worst_case"])
     g.add_argument(
         "--quantization",
         default=None,
@@ -43,13 +44,47 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "the projections rounded to 4 bits at load (approximate, fewest bytes: a draft's default); fp32: dequantize them "
         "at load; int8: weight-only int8 from the fp32 weights",
     )
-    g.add_argument("--num-threads", type=int, default=None)
     g.add_argument(
-        "--adaptive-threads",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on CPU, run with one thread fewer while that decodes faster (another process holding a core) "
-        "and go back when it stops (on by default; --no-adaptive-threads: always --num-threads)",
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json, "
+        "else tokenmill's: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05), none "
+        "(OpenAI's: temperature 1.0, no filters), or a directory holding a generation_config.json",
+    )
+    g.add_argument(
+        "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
+    )
+
+
+def _add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the prefix cache's unit)")
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="the KV pool's size in blocks (default: from its memory)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="the KV pool's size in bytes (default: a tenth of free memory, at most 2 GiB on CPU)",
+    )
+    g.add_argument(
+        "--reserve",
+        default="none",
+        choices=["none", "worst_case"],
+        help="none: KV blocks given one at a time, preemption when they run out (vLLM); worst_case: prompt + "
+        "max_tokens reserved at admission (TGI)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's element type: auto (fp16 under llama.cpp's arithmetic, gguf-q8, the default for a "
+        "GGUF on CPU; the model's dtype otherwise: fp32 on the exact path), fp32, fp16, bf16, fp8 (= fp8_e4m3, "
+        "unscaled), int8 (a scale per token and head)",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -73,29 +108,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="turn the disk tier off",
     )
     g.add_argument("--kv-cache-disk-dir", default=None, help="the disk tier's folder (default: <cache>/kv)")
+
+
+def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduling")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests in one step at most")
     g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="the KV cache's element type: auto (fp16 under llama.cpp's arithmetic, gguf-q8, the default for a "
-        "GGUF on CPU; the model's dtype otherwise: fp32 on the exact path), fp32, fp16, bf16, fp8 (= fp8_e4m3, "
-        "unscaled), int8 (a scale per token and head)",
-    )
-    g.add_argument(
-        "--engine-seed", type=int, default=0, help="the engine's base seed (for unseeded requests)"
-    )
-    g.add_argument(
-        "--tensor-parallel-size",
+        "--max-num-batched-tokens",
         type=int,
-        default=1,
-        help="split the model's layers over this many processes (torch.distributed, gloo on CPU; fp32 weights)",
+        default=None,
+        help="tokens per step; long prompts go in chunks of this (server default 512 on CPU, 2048 on CUDA)",
     )
     g.add_argument(
-        "--generation-config",
-        default="auto",
-        help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json, "
-        "else tokenmill's: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05), none "
-        "(OpenAI's: temperature 1.0, no filters), or a directory holding a generation_config.json",
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens a request may reach (default: the model's)",
     )
     g.add_argument(
         "--speculative-config",
@@ -104,6 +132,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'; by default n-gram prompt lookup while fewer than 4 '
         'requests run (it never cost more than 2%% in benchmarks/spec.py); \'{"method": "none"}\' turns it off',
+    )
+
+
+def _add_compute_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("threads, parallelism and the machine's limits")
+    g.add_argument("--num-threads", type=int, default=None, help="torch's threads (default: one a core)")
+    g.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CPU, run with one thread fewer while that decodes faster (another process holding a core) "
+        "and go back when it stops (on by default; --no-adaptive-threads: always --num-threads)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model's layers over this many processes (torch.distributed, gloo on CPU; fp32 weights)",
     )
     g.add_argument(
         "--hardware-limits",
@@ -114,7 +160,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "read bandwidth, and kept in the cache directory), 'measure' them again now, 'none' (off), or give "
         "them, e.g. 250,30",
     )
-    _add_lora_arguments(parser)
 
 
 def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:

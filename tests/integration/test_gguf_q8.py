@@ -101,7 +101,7 @@ def test_a_verification_computes_its_tokens_as_decode_steps_do(
     and beside another request's decode row."""
     from tokenmill.core.sched_output import ScheduledRow
     from tokenmill.model.loader import allocate_kv_cache
-    from tokenmill.worker.model_runner import forward_rows
+    from tokenmill.worker.forward import forward_rows
 
     loaded = {"gguf": embedded_loaded, "gguf-q8": embedded_q8}[quantization]
     prompt = loaded.tokenizer.encode(PROMPTS[0])

@@ -385,7 +385,7 @@ def test_the_draft_stops_at_a_token_it_is_unsure_of(embedded_loaded, p_min) -> N
     from tokenmill.model.loader import allocate_kv_cache
     from tokenmill.request import Request, RequestStatus
     from tokenmill.worker.drafter import Drafter
-    from tokenmill.worker.model_runner import forward_rows
+    from tokenmill.worker.forward import forward_rows
 
     k, block_size, num_blocks = 4, 16, 8
     prompt = embedded_loaded.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")

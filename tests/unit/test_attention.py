@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import attention, backend, kv_format
+from tokenmill.model import attention, backend, backends, kv_format
 from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
 from tokenmill.model.backend import TorchBackend
 from tokenmill.model.cpu import backend as cpu_backend
@@ -286,8 +286,8 @@ def test_cpp_kernel_takes_short_prefills_and_leaves_long_ones_to_matmuls(kernel_
 
 def test_the_backend_is_chosen_once_by_device_and_dtype(kernel_variant) -> None:
     """fp32 on CPU takes the kernels; another dtype plain torch, whose plan then serves every layer as it is."""
-    assert isinstance(backend.select_backend("cpu", torch.float32, HEAD_DIM), CpuKernelBackend)
-    chosen = backend.select_backend("cpu", torch.bfloat16, HEAD_DIM)
+    assert isinstance(backends.select_backend("cpu", torch.float32, HEAD_DIM), CpuKernelBackend)
+    chosen = backends.select_backend("cpu", torch.bfloat16, HEAD_DIM)
     assert type(chosen) is TorchBackend
     rng = random.Random(6)
     q, k_cache, v_cache, meta = _random_step(

@@ -126,16 +126,16 @@ def report(conversations: list[Conversation]) -> str:
 
 
 def add_bench_multiturn_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--num-conversations", type=int, default=8)
-    parser.add_argument("--num-turns", type=int, default=6)
-    parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    parser.add_argument("--num-conversations", type=int, default=8, help="conversations in the run")
+    parser.add_argument("--num-turns", type=int, default=6, help="user turns per conversation")
+    parser.add_argument("--max-concurrency", type=int, default=4, help="conversations in flight at once")
     parser.add_argument(
         "--system-words", type=int, default=120, help="words in each conversation's system prompt"
     )
     parser.add_argument("--user-words", type=int, default=30, help="words in each user message")
     parser.add_argument("--answer-tokens", type=int, default=48, help="max_tokens of each answer")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
 
 
 def run_bench_multiturn(args: argparse.Namespace) -> int:

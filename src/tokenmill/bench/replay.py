@@ -178,52 +178,89 @@ class _FakeModel:
 
 def replay_unit(traffic: Traffic, config: ReplayConfig, label: str = "recorded") -> ReplayResult:
     """Every replayable request of ``traffic`` through the real scheduler under ``config``, on the unit clock."""
-    kv = KVCacheManager(
-        CacheConfig(block_size=config.block_size, num_blocks=config.num_kv_blocks),
-        config.reserve,  # type: ignore[arg-type]
-        enable_caching=config.enable_prefix_caching,
+    run = _UnitReplay(traffic, config)
+    ids = [
+        r.request_id
+        for r in traffic.requests
+        if r.request_id in run.recorded and r.request_id not in run.refused
+    ]
+    timing = time_continuous_run(
+        run.iterate,
+        run.scheduler.has_unfinished,
+        request_ids=ids,
+        max_num_seqs=config.max_num_seqs,
+        clock=run.clock,
+        arrival_time_s={rid: run.recorded[rid].arrival_iteration for rid in ids},
+        admit=run.admit,
     )
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            reserve=config.reserve,  # type: ignore[arg-type]
-        ),
-        kv,
-        config.block_size,
-    )
-    recorded = {r.request_id: r for r in traffic.requests if r.num_output_tokens > 0}
-    num_skipped = len(traffic.requests) - len(recorded)
-    # what could never run under this configuration is refused at intake, as the engine would (a 400)
-    refused = {
-        rid
-        for rid, rec in recorded.items()
-        if (probe := _request(rec, config.block_size)).max_num_tokens > config.max_model_len
-        or kv.max_blocks(probe) > kv.num_blocks
+    run.kv.pool.check_integrity()
+    queue = {
+        rid: r.first_scheduled_time_s - run.admitted_at[rid]
+        for rid, r in run.requests.items()
+        if r.first_scheduled_time_s is not None
     }
-    requests: dict[str, Request] = {}
-    lengths = {rid: r.num_output_tokens for rid, r in recorded.items()}
-    model = _FakeModel(requests, lengths)
-    clock = UnitClock()
-    records: list[StepRecord] = []
-    admitted_at: dict[str, float] = {}
-    num_computed = 0
+    return ReplayResult(
+        label=label,
+        config=config,
+        timing=timing,
+        records=run.records,
+        queue_iterations=queue,
+        num_replayed=len(run.requests),
+        num_refused=len(run.refused),
+        num_skipped=len(traffic.requests) - len(run.recorded),
+        num_computed_tokens=run.num_computed,
+    )
 
-    def admit(request_id: str) -> None:
-        request = _request(recorded[request_id], traffic.block_size)
-        scheduler.add_request(request)
-        requests[request_id] = request
-        admitted_at[request_id] = clock.now()
 
-    def iterate() -> IterationOutcome:
-        nonlocal num_computed
-        now = clock.now()
-        out = scheduler.schedule(now_s=now)
-        before = {row.request_id: requests[row.request_id].num_output_tokens for row in out.rows}
-        touched = scheduler.update_from_output(out, model.execute(out), now)
-        records.append(out.record)
-        num_computed += sum(len(row.token_ids) for row in out.rows)
+class _UnitReplay:
+    """The real scheduler and KV manager under ``config``, a model that replays the recorded lengths, the unit
+    clock, and what the run records."""
+
+    def __init__(self, traffic: Traffic, config: ReplayConfig) -> None:
+        self.block_size = traffic.block_size
+        self.kv = KVCacheManager(
+            CacheConfig(block_size=config.block_size, num_blocks=config.num_kv_blocks),
+            config.reserve,  # type: ignore[arg-type]
+            enable_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                reserve=config.reserve,  # type: ignore[arg-type]
+            ),
+            self.kv,
+            config.block_size,
+        )
+        self.recorded = {r.request_id: r for r in traffic.requests if r.num_output_tokens > 0}
+        # what could never run under this configuration is refused at intake, as the engine would (a 400)
+        self.refused = {
+            rid
+            for rid, rec in self.recorded.items()
+            if (probe := _request(rec, config.block_size)).max_num_tokens > config.max_model_len
+            or self.kv.max_blocks(probe) > self.kv.num_blocks
+        }
+        self.requests: dict[str, Request] = {}
+        self.model = _FakeModel(self.requests, {rid: r.num_output_tokens for rid, r in self.recorded.items()})
+        self.clock = UnitClock()
+        self.records: list[StepRecord] = []
+        self.admitted_at: dict[str, float] = {}
+        self.num_computed = 0
+
+    def admit(self, request_id: str) -> None:
+        request = _request(self.recorded[request_id], self.block_size)
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        self.admitted_at[request_id] = self.clock.now()
+
+    def iterate(self) -> IterationOutcome:
+        now = self.clock.now()
+        out = self.scheduler.schedule(now_s=now)
+        before = {row.request_id: self.requests[row.request_id].num_output_tokens for row in out.rows}
+        touched = self.scheduler.update_from_output(out, self.model.execute(out), now)
+        self.records.append(out.record)
+        self.num_computed += sum(len(row.token_ids) for row in out.rows)
         new_tokens = {
             r.request_id: r.output_token_ids[before.get(r.request_id, r.num_output_tokens) :]
             for r in touched
@@ -236,34 +273,6 @@ def replay_unit(traffic: Traffic, config: ReplayConfig, label: str = "recorded")
             preempted_ids=list(out.record.preempted_ids),
             idle_rows={reason.value: n for reason, n in out.record.idle_rows.items()},
         )
-
-    ids = [r.request_id for r in traffic.requests if r.request_id in recorded and r.request_id not in refused]
-    timing = time_continuous_run(
-        iterate,
-        scheduler.has_unfinished,
-        request_ids=ids,
-        max_num_seqs=config.max_num_seqs,
-        clock=clock,
-        arrival_time_s={rid: recorded[rid].arrival_iteration for rid in ids},
-        admit=admit,
-    )
-    kv.pool.check_integrity()
-    queue = {
-        rid: r.first_scheduled_time_s - admitted_at[rid]
-        for rid, r in requests.items()
-        if r.first_scheduled_time_s is not None
-    }
-    return ReplayResult(
-        label=label,
-        config=config,
-        timing=timing,
-        records=records,
-        queue_iterations=queue,
-        num_replayed=len(requests),
-        num_refused=len(refused),
-        num_skipped=num_skipped,
-        num_computed_tokens=num_computed,
-    )
 
 
 def _request(rec: TrafficRequest, block_size: int) -> Request:

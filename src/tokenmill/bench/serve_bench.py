@@ -410,16 +410,16 @@ async def run_benchmark(
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="the server's root URL (default: http://HOST:PORT)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--host", default="127.0.0.1", help="the server's address")
+    parser.add_argument("--port", type=int, default=8000, help="the server's port")
+    parser.add_argument("--endpoint", default="/v1/completions", help="the route the requests go to")
     parser.add_argument(
         "--model", default=None, help="model name to send (default: the server's first model)"
     )
     parser.add_argument(
         "--api-key", default=None, help="bearer key (default: $TOKENMILL_API_KEY or $OPENAI_API_KEY)"
     )
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests in the run")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -440,7 +440,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--random-prefix-len", type=int, default=0, help="vLLM's: tokens every prompt starts with (shared)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the prompts and the arrival times")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on time to first token")
     parser.add_argument(
         "--slo-tpot-ms", type=float, default=None, help="goodput SLO on time per output token"

@@ -1,4 +1,5 @@
-"""How a model computes: one compute backend per loaded model, chosen once at load by :func:`select_backend`.
+"""How a model computes: one compute backend per loaded model, chosen once at load by
+:func:`tokenmill.model.backends.select_backend`.
 
 The model (``llama.py``) describes the network; its backend decides how each piece runs:
 
@@ -19,11 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tokenmill.model import kv_format
 from tokenmill.model.attention import (
@@ -35,9 +35,6 @@ from tokenmill.model.attention import (
     plan_decode_buckets,
     plan_prefill,
 )
-
-if TYPE_CHECKING:
-    from tokenmill.model.llama import LlamaForCausalLM
 
 _PREFILL_CHUNK_TOKENS = 128  # CPU prefill: queries per matmul chunk
 
@@ -88,16 +85,18 @@ class TorchBackend:
     ops: Any = None  # the fused elementwise kernels a plan hands the layers (None: torch ops)
     decode_stack: Any = None  # a fused decode step over the model's weights (None: layer by layer)
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", pack: Callable[[Any], object] | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.name = "cuda" if self.device.type == "cuda" else "torch-cpu"
+        self._pack = pack  # readies the weights' layout (oneDNN's blocked layout on CPU), or None
 
-    def prepare(self, model: LlamaForCausalLM) -> None:
-        """Ready ``model``'s weights for this backend, once (at load), and make it the model's backend."""
-        from tokenmill.model.cpu.packing import can_pack, pack_for_cpu
-
-        if can_pack(self.device, model.model.norm.weight.dtype):
-            pack_for_cpu(model)  # oneDNN's blocked layout (no panel kernels without the C++ kernels)
+    def prepare(self, model: Any) -> None:
+        """Ready ``model``'s weights (a ``llama.LlamaForCausalLM``) for this backend, once (at load), and make it
+        the model's backend."""
+        if self._pack is not None:
+            self._pack(model)
         model.backend = self
 
     def plan(
@@ -121,31 +120,6 @@ class TorchBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "attention": "torch (SDPA)" if self.device.type == "cuda" else "torch"}
-
-
-def prepare_encoder(encoder: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """An embedding model's linears on CPU in fp32: weights reordered for oneDNN, whose matmul adds the bias
-    and the GELU in the same pass (``model/cpu/packing.pack_encoder``); elsewhere the plain ``F.linear``."""
-    from tokenmill.model.cpu.packing import can_pack, pack_encoder
-
-    if can_pack(device, dtype) and torch.backends.mkldnn.is_available():
-        pack_encoder(encoder)
-
-
-def select_backend(
-    device: torch.device | str, dtype: torch.dtype, head_dim: int, *, decode_stack: bool = True
-) -> TorchBackend:
-    """The backend for a model on ``device`` in ``dtype``: the C++ kernels for float32 on CPU when they are loaded
-    (``decode_stack=False`` leaves out the fused decode stack: tensor parallelism all-reduces between layers),
-    else plain torch."""
-    device = torch.device(device)
-    if device.type == "cpu" and dtype == torch.float32:
-        from tokenmill.model.cpu.backend import CpuKernelBackend
-        from tokenmill.model.cpu.kernels import loaded
-
-        if loaded().module is not None:
-            return CpuKernelBackend(head_dim, decode_stack=decode_stack)
-    return TorchBackend(device)
 
 
 def _decode_bucket(

@@ -23,6 +23,7 @@ variant) is refused here with a ``ValueError`` that names it, before any weight 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,12 +250,7 @@ class LlamaConfig:
         ``qkv_bias`` / ``qk_norm`` whether the file has ``attn_q.bias`` / ``attn_q_norm`` tensors.
         """
         arch = _gguf_architecture(meta)
-
-        def need(key: str) -> Any:
-            if f"{arch}.{key}" not in meta:
-                raise ValueError(f"GGUF metadata is missing {arch}.{key}")
-            return meta[f"{arch}.{key}"]
-
+        need = _gguf_required(meta, arch)
         hidden_size = int(need("embedding_length"))
         num_heads = int(need("attention.head_count"))
         num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
@@ -294,6 +290,17 @@ class LlamaConfig:
             sliding_window=int(window) if window else None,
             **gemma,
         )
+
+
+def _gguf_required(meta: dict[str, Any], arch: str) -> Callable[[str], Any]:
+    """A reader of the architecture's keys that names a missing one (ValueError)."""
+
+    def need(key: str) -> Any:
+        if f"{arch}.{key}" not in meta:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    return need
 
 
 _GGUF_ARCHITECTURES = {

@@ -62,6 +62,7 @@ decode step reads of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -227,53 +228,48 @@ def to_groups(type_name: str, raw: np.ndarray, in_features: int) -> Groups:
     if in_features % QK_K:
         raise ValueError(f"{type_name} rows of {in_features} weights are not whole super-blocks of {QK_K}")
     sb = raw.reshape(rows * num_super, -1)  # [n, super-block bytes]
+    codes, scale, minimum, d, dmin = _K_QUANTS[type_name](sb)
+    return Groups(
+        fmt,
+        codes.reshape(rows, num_groups, fmt.group),
+        scale.reshape(rows, num_groups),
+        None if minimum is None else minimum.reshape(rows, num_groups),
+        d.reshape(rows, num_super),
+        None if dmin is None else (-dmin).reshape(rows, num_super),
+    )
+
+
+def _q4_k_q5_k(sb: np.ndarray, five_bits: bool) -> _KParts:
+    """Q4_K's or Q5_K's super-blocks: fp16 d and dmin, twelve bytes of 6-bit scales and mins, (Q5_K: a fifth bit
+    per code,) four bits a code."""
     n = sb.shape[0]
-    if type_name in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(sb[:, 0:2])[:, None], _f16(sb[:, 2:4])[:, None]
-        sc, mn = _k_scale_min(sb[:, 4:16])
-        scale, minimum = d * sc, -(dmin * mn)  # [n, 8]
-        if type_name == "Q4_K":
-            qs = sb[:, 16:144].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-            codes = (qs & 15).reshape(
-                n, 8, 32
-            )  # sub-block 2c: low nibbles of bytes 32c.., 2c+1: the high ones
-        else:
-            qh = sb[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
-                1, 8, 1
-            )  # bit s: sub-block s
-            qs = sb[:, 48:176].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-            codes = ((qs & 15).reshape(n, 8, 32) | ((qh & 1) << 4)).astype(np.uint8)
-        return Groups(
-            fmt,
-            codes.reshape(rows, num_groups, -1),
-            scale.reshape(rows, num_groups),
-            minimum.reshape(rows, num_groups),
-            d.reshape(rows, num_super),
-            (-dmin).reshape(rows, num_super),
-        )
-    if type_name in ("Q2_K", "Q3_K", "IQ4_XS"):
-        codes, scale, minimum, d, dmin = _LOW_BIT_K[type_name](sb)
-        return Groups(
-            fmt,
-            codes.reshape(rows, num_groups, fmt.group),
-            scale.reshape(rows, num_groups),
-            None if minimum is None else minimum.reshape(rows, num_groups),
-            d.reshape(rows, num_super),
-            None if dmin is None else (-dmin).reshape(rows, num_super),
-        )
-    # Q6_K: ql [128], qh [64], int8 scales [16], fp16 d, per super-block
+    d, dmin = _f16(sb[:, 0:2])[:, None], _f16(sb[:, 2:4])[:, None]
+    sc, mn = _k_scale_min(sb[:, 4:16])
+    scale, minimum = d * sc, -(dmin * mn)  # [n, 8]
+    nibbles = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    if not five_bits:
+        qs = sb[:, 16:144].reshape(n, 4, 1, 32) >> nibbles
+        return (
+            (qs & 15).reshape(n, 8, 32),
+            scale,
+            minimum,
+            d,
+            dmin,
+        )  # group 2c: bytes 32c..'s low nibbles, 2c+1 high
+    qh = sb[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit s: group s
+    qs = sb[:, 48:176].reshape(n, 4, 1, 32) >> nibbles
+    return ((qs & 15).reshape(n, 8, 32) | ((qh & 1) << 4)).astype(np.uint8), scale, minimum, d, dmin
+
+
+def _q6_k(sb: np.ndarray) -> _KParts:
+    """Q6_K's super-blocks: ql [128], qh [64], int8 scales [16], fp16 d."""
+    n = sb.shape[0]
     ql = sb[:, 0:128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     qh = sb[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = ((ql & 15).reshape(n, 8, 32) | ((qh & 3).reshape(n, 8, 32) << 4)).astype(np.int16) - 32
     scales = np.ascontiguousarray(sb[:, 192:208]).view(np.int8).astype(np.float32)  # [n, 16]
     d = _f16(sb[:, 208:210])[:, None]
-    return Groups(
-        fmt,
-        q.astype(np.int8).view(np.uint8).reshape(rows, num_groups, 16),
-        (d * scales).reshape(rows, num_groups),
-        None,
-        d.reshape(rows, num_super),
-    )
+    return q.astype(np.int8).view(np.uint8), d * scales, None, d, None
 
 
 def group_values(groups: Groups) -> np.ndarray:
@@ -407,7 +403,14 @@ def _iq4_xs(sb: np.ndarray) -> _KParts:
     return _as_bytes(IQ4_VALUES[q]), d[:, None] * ls.astype(np.float32), None, d[:, None], None
 
 
-_LOW_BIT_K = {"Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
+_K_QUANTS: dict[str, Callable[[np.ndarray], _KParts]] = {
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "IQ4_XS": _iq4_xs,
+    "Q4_K": lambda sb: _q4_k_q5_k(sb, five_bits=False),
+    "Q5_K": lambda sb: _q4_k_q5_k(sb, five_bits=True),
+    "Q6_K": _q6_k,
+}
 
 
 def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> np.ndarray:

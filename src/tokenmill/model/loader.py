@@ -110,8 +110,6 @@ def load_model(
     for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
     ``dtype``).
     """
-    from tokenmill.tokenizer import Tokenizer
-
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
     path = _model_path(model)
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
@@ -121,12 +119,7 @@ def load_model(
     if is_encoder_dir(path):
         return _load_encoder(path, resolved_device, resolved_dtype, quantization)
     if path.is_dir():
-        from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
-
-        config = read_hf_config(path)  # fail on config problems before reading anything large
-        safetensors_files(path)
-        tokenizer = Tokenizer.from_hf_dir(path)
-        config, llama = load_hf_model(path, resolved_device, resolved_dtype, config)
+        config, llama, tokenizer = _load_hf(path, resolved_device, resolved_dtype)
         reason = "asked for" if quantization is not None else "a Hugging Face directory: its weights' dtype"
     elif is_gguf:
         config, llama, tokenizer, quantization, reason = _load_gguf(
@@ -138,7 +131,7 @@ def load_model(
         from tokenmill.model.quant import quantize_model_int8
 
         quantize_model_int8(llama)
-    from tokenmill.model.backend import select_backend
+    from tokenmill.model.backends import select_backend
 
     select_backend(resolved_device, resolved_dtype, config.head_dim).prepare(llama)
     from tokenmill.model.quant import weight_bytes
@@ -156,6 +149,18 @@ def load_model(
     )
 
 
+def _load_hf(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    """A Hugging Face directory's config, model and tokenizer; its config checked before anything large is read."""
+    from tokenmill.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
+    from tokenmill.tokenizer import Tokenizer
+
+    config = read_hf_config(path)
+    safetensors_files(path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    config, llama = load_hf_model(path, device, dtype, config)
+    return config, llama, tokenizer
+
+
 def _load_encoder(
     path: Path, device: torch.device, dtype: torch.dtype, quantization: str | None
 ) -> LoadedModel:
@@ -170,7 +175,7 @@ def _load_encoder(
     tokenizer = Tokenizer.from_hf_dir(path)
     tokenizer.disable_truncation_and_padding()
     config, encoder = load_encoder(path, device, dtype)
-    from tokenmill.model.backend import prepare_encoder
+    from tokenmill.model.backends import prepare_encoder
 
     prepare_encoder(encoder, device, dtype)
     return LoadedModel(

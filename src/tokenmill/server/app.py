@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -75,18 +75,7 @@ def build_app(
     ``cors``: keyword arguments of Starlette's CORSMiddleware (``allow_origins`` ...), or None for no CORS.
     ``lora_modules``: LoRA adapters served by name (``LoRARequest`` by ``lora_name``; loaded in the engine already).
     """
-    from tokenmill.server import (
-        routes_chat,
-        routes_completions,
-        routes_embeddings,
-        routes_info,
-        routes_lora,
-        routes_messages,
-        routes_ollama,
-        routes_responses,
-        routes_responses_socket,
-        routes_tokenize,
-    )
+    from tokenmill.server import routes_lora
 
     state = ServerState(
         async_engine=async_engine,
@@ -109,37 +98,65 @@ def build_app(
         async_engine.metrics.watch_response_store(state.response_store)
         async_engine.metrics.watch_constraints(async_engine.constraint_compiler)
 
+    app = FastAPI(title="tokenmill", lifespan=_lifespan(async_engine))
+    app.state.tokenmill = state
+    _include_routes(app, runtime_lora=state.allow_runtime_lora_updating, ui=ui)
+    _add_error_handlers(app)
+    _add_middleware(app, state.api_keys, max_header_bytes, cors)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _lifespan(async_engine: AsyncEngine) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The engine thread runs while the app does; at shutdown it stops (aborting what is left)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         yield
         await run_in_threadpool(async_engine.stop)
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan)
-    app.state.tokenmill = state
-    app.include_router(routes_completions.router)
-    app.include_router(routes_chat.router)
-    app.include_router(routes_responses.router)
-    app.include_router(routes_responses_socket.router)
-    app.include_router(routes_messages.router)
-    app.include_router(routes_embeddings.router)
-    app.include_router(routes_info.router)
-    app.include_router(routes_tokenize.router)
-    app.include_router(routes_ollama.router)
-    if state.allow_runtime_lora_updating:
+    return lifespan
+
+
+def _include_routes(app: FastAPI, *, runtime_lora: bool, ui: bool) -> None:
+    """Every API's routes; adapter loading only where runtime updating is allowed, the chat page unless off."""
+    from tokenmill.server import (
+        routes_chat,
+        routes_completions,
+        routes_embeddings,
+        routes_info,
+        routes_lora,
+        routes_messages,
+        routes_ollama,
+        routes_responses,
+        routes_responses_socket,
+        routes_tokenize,
+    )
+
+    for module in (
+        routes_completions, routes_chat, routes_responses, routes_responses_socket, routes_messages,
+        routes_embeddings, routes_info, routes_tokenize, routes_ollama,
+    ):  # fmt: skip
+        app.include_router(module.router)
+    if runtime_lora:
         app.include_router(routes_lora.router)
     if ui:
         app.include_router(routes_info.ui_router)
-    _add_error_handlers(app)
+
+
+def _add_middleware(
+    app: FastAPI, api_keys: tuple[str, ...], max_header_bytes: int | None, cors: dict[str, Any] | None
+) -> None:
+    """Innermost first: trace context, the API key check, the header bound, CORS outermost (a preflight carries
+    no API key, and every answer needs the CORS headers)."""
     app.add_middleware(TraceContextMiddleware)
-    if state.api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=state.api_keys, open_paths=OPEN_PATHS)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, open_paths=OPEN_PATHS)
     if max_header_bytes is not None:
         app.add_middleware(HeaderLimitMiddleware, max_header_bytes=max_header_bytes)
-    if cors is not None:  # outermost: a preflight carries no API key, and every answer needs the CORS headers
+    if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    return app
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -291,31 +291,8 @@ class AsyncEngine:
 
         Raises QueueFullError, DrainingError, EngineDeadError, or the engine's BadRequestError for bad input.
         """
-        if not prompts:
-            raise ValueError("nothing to submit")
-        if len(prompts) > self.max_queue:  # a 429 would be retried forever: it can never be queued
-            raise BadRequestError(
-                f"n: the request needs {len(prompts)} engine requests (n x prompts) and the server queues at "
-                f"most {self.max_queue} (--max-queue); it could never be accepted",
-                param="n",
-            )
-        if self._draining:
-            raise DrainingError("the server is shutting down")
-        if not self.alive:
-            raise EngineDeadError(self.dead_message())
         arrival_s = self.clock()
-        with self._lock:
-            waiting = self._counters.num_in_flight - self._counters.num_running
-            if waiting + len(prompts) > self.max_queue:
-                rejected = True
-            else:
-                rejected = False
-                self._counters.num_in_flight += len(prompts)
-        if rejected:
-            self.metrics.count_rejection()
-            raise QueueFullError(
-                f"the server's queue is full ({self.max_queue} requests waiting); retry after a moment"
-            )
+        self._reserve(len(prompts))
         if request_id is None:
             self._next_id += 1
             request_id = f"req-{self._next_id}"
@@ -347,6 +324,32 @@ class AsyncEngine:
             group.abort()
             raise
         return group
+
+    def _reserve(self, num_requests: int) -> None:
+        """Count ``num_requests`` in flight, or refuse them: BadRequestError for more than the queue could ever
+        hold, DrainingError, EngineDeadError, QueueFullError (a 429) while the waiting queue is full."""
+        if not num_requests:
+            raise ValueError("nothing to submit")
+        if num_requests > self.max_queue:  # a 429 would be retried forever: it can never be queued
+            raise BadRequestError(
+                f"n: the request needs {num_requests} engine requests (n x prompts) and the server queues at "
+                f"most {self.max_queue} (--max-queue); it could never be accepted",
+                param="n",
+            )
+        if self._draining:
+            raise DrainingError("the server is shutting down")
+        if not self.alive:
+            raise EngineDeadError(self.dead_message())
+        with self._lock:
+            waiting = self._counters.num_in_flight - self._counters.num_running
+            rejected = waiting + num_requests > self.max_queue
+            if not rejected:
+                self._counters.num_in_flight += num_requests
+        if rejected:
+            self.metrics.count_rejection()
+            raise QueueFullError(
+                f"the server's queue is full ({self.max_queue} requests waiting); retry after a moment"
+            )
 
     async def _compile_constraints(self, params: Sequence[SamplingParams]) -> list[Any]:
         """Each choice's constraint compiled before the engine thread sees it (off the event loop and off the

@@ -41,6 +41,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag of ``tokenmill serve``: the engine's, then the server's."""
     add_engine_arguments(parser)
     _add_http_arguments(parser.add_argument_group("server"))
+    _add_limit_arguments(parser.add_argument_group("server limits"))
+    _add_store_arguments(parser.add_argument_group("the Responses store"))
+    _add_api_arguments(parser.add_argument_group("APIs"))
+    _add_observability_arguments(parser.add_argument_group("observability and logs"))
     _add_ray_arguments(
         parser.add_argument_group("data-parallel replicas on Ray Serve (optional extra: tokenmill[ray])")
     )
@@ -48,8 +52,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_http_arguments(s: Any) -> None:
     s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on")
     s.add_argument(
         "--api-key",
         action="append",
@@ -65,7 +69,10 @@ def _add_http_arguments(s: Any) -> None:
         default=256,
         help="engine requests that may wait (accepted, not yet admitted to the batch) before new ones get 429",
     )
-    _add_limit_arguments(s)
+
+
+def _add_api_arguments(s: Any) -> None:
+    """How the APIs read and answer requests: CORS, the parsers, the chat page, adapters by name."""
     s.add_argument(
         "--allowed-origins", default=None, help="CORS: JSON list of origins, e.g. '[\"*\"]' (off by default)"
     )
@@ -109,11 +116,6 @@ def _add_http_arguments(s: Any) -> None:
         help="LoRA adapters (PEFT folders) served by name, with --enable-lora: name=path, or vLLM's JSON form "
         '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; a request picks one by its model',
     )
-    _add_observability_arguments(s)
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument(
-        "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
-    )
 
 
 def _add_observability_arguments(s: Any) -> None:
@@ -139,10 +141,19 @@ def _add_observability_arguments(s: Any) -> None:
         "JSON lines, for `tokenmill bench replay`; never the text unless --record-text",
     )
     s.add_argument("--record-text", action="store_true", help="--record also writes each prompt's text")
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the server's and the engine's log level",
+    )
+    s.add_argument(
+        "--no-access-log", dest="access_log", action="store_false", help="do not log each request line"
+    )
 
 
 def _add_limit_arguments(s: Any) -> None:
-    """What the server bounds: queue, sizes, times, connections, failures."""
+    """What the server bounds: sizes, times, connections, failures."""
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     s.add_argument("--max-header-bytes", type=int, default=64 << 10, help="larger request headers get 431")
     s.add_argument(
@@ -177,6 +188,16 @@ def _add_limit_arguments(s: Any) -> None:
         help="seconds in-flight requests get to finish on SIGTERM",
     )
     s.add_argument(
+        "--max-consecutive-step-failures",
+        type=int,
+        default=3,
+        help="failed steps in a row after which /health turns 503 and the process exits with status 3",
+    )
+
+
+def _add_store_arguments(s: Any) -> None:
+    """Where the Responses API keeps what ``store: true`` asks to keep, and how much."""
+    s.add_argument(
         "--response-store",
         default="sqlite",
         metavar="STORE",
@@ -195,12 +216,6 @@ def _add_limit_arguments(s: Any) -> None:
         type=int,
         default=64 << 20,
         help="... and at most this many bytes of them",
-    )
-    s.add_argument(
-        "--max-consecutive-step-failures",
-        type=int,
-        default=3,
-        help="failed steps in a row after which /health turns 503 and the process exits with status 3",
     )
 
 

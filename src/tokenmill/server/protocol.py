@@ -39,6 +39,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 ParamError = BadRequestError
 
 
+def model_of_type(models: dict[str, Any], kind: object, param: str, what: str, supported: str) -> Any:
+    """The model ``models`` has for a tagged object's ``type`` (``kind``); a 400 naming ``param`` for any other
+    type, saying which are ``supported``."""
+    model = models.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ParamError(f"{param}: {what} type {kind!r} is not supported ({supported})", param=param)
+    return model
+
+
 # --- requests ---------------------------------------------------------------------------------------
 
 

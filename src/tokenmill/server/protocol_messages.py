@@ -18,6 +18,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ParamError,
     _Request,
+    model_of_type,
     validate_tools,
     validation_error_to_param,
 )
@@ -84,12 +85,13 @@ class MessageParam(_Request):
         out: list[Block] = []
         for j, raw in enumerate(self.content):
             kind = raw.get("type")
-            model = _BLOCKS.get(kind) if isinstance(kind, str) else None
-            if model is None:
-                raise ParamError(
-                    f"{where}.content.{j}.type: block type {kind!r} is not supported (text, tool_use, "
-                    "tool_result and thinking only)", param=f"{where}.content.{j}.type",
-                )  # fmt: skip
+            model = model_of_type(
+                _BLOCKS,
+                kind,
+                f"{where}.content.{j}.type",
+                "block",
+                "text, tool_use, tool_result and thinking only",
+            )
             if (
                 model in (ToolUseBlock, ThinkingBlock)
                 and self.role != "assistant"

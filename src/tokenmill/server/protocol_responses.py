@@ -19,6 +19,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ParamError,
     _Request,
+    model_of_type,
     validate_tools,
     validation_error_to_param,
 )
@@ -125,13 +126,10 @@ def parse_items(raw: list[Any], param: str = "input") -> list[InputItem]:
         where = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise ParamError(f"{where} must be an object", param=where)
-        kind = item.get("type", "message")
-        model = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
-        if model is None:
-            raise ParamError(
-                f"{where}.type: item type {kind!r} is not supported (tokenmill takes messages, function_call "
-                "function_call_output and reasoning items)", param=f"{where}.type",
-            )  # fmt: skip
+        model = model_of_type(
+            _ITEM_TYPES, item.get("type", "message"), f"{where}.type", "item",
+            "tokenmill takes messages, function_call function_call_output and reasoning items",
+        )  # fmt: skip
         if model is MessageItem and isinstance(item.get("content"), list):
             for j, part in enumerate(item["content"]):
                 ptype = part.get("type") if isinstance(part, dict) else None

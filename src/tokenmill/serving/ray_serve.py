@@ -73,19 +73,9 @@ def build_deployment(
     across machines), so a ``previous_response_id`` works whichever replica serves the next turn.
     ``app_options``: more keyword arguments of ``build_app`` (the tool-call and reasoning parsers...)."""
     serve = _require_serve()
-    autoscaling = None
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus_per_replica}}
-    if max_replicas is not None and max_replicas > num_replicas:
-        autoscaling = {
-            "min_replicas": num_replicas,
-            "max_replicas": max_replicas,
-            "target_ongoing_requests": target_ongoing_requests,
-        }
-        options["autoscaling_config"] = autoscaling
-    else:
-        options["num_replicas"] = num_replicas
-    # a replica takes no more than its engine's queue: more would wait in Serve's queue instead
-    options["max_ongoing_requests"] = max_queue
+    options = _deployment_options(
+        num_replicas, max_replicas, target_ongoing_requests, num_cpus_per_replica, max_queue
+    )
 
     @serve.deployment(name="tokenmill", **options)
     @serve.ingress()
@@ -110,25 +100,64 @@ def build_deployment(
             self.tag = f"{replica}/{os.getpid()}"
 
         def __serve_build_asgi_app__(self) -> Any:
-            from tokenmill.model.gguf_loader import default_cache_dir
-            from tokenmill.server.app import build_app
-            from tokenmill.server.launch import model_aliases
-            from tokenmill.server.response_store import open_response_store
-
-            store = open_response_store(
-                response_store, *(response_store_caps or ()), cache_dir=default_cache_dir()
-            )
-            app = build_app(
-                self.async_engine, self.served_name, list(api_keys), response_store=store,
+            app = _replica_app(
+                self.async_engine, self.served_name, list(api_keys), response_store, response_store_caps,
                 enable_per_request_metrics=enable_per_request_metrics,
-                model_aliases=model_aliases(
-                    self.engine_source, self.engine_model_name, engine_kwargs.get("model")
-                ),
-                **(app_options or {}),
+                aliases=(self.engine_source, self.engine_model_name, engine_kwargs.get("model")),
+                app_options=app_options or {},
             )  # fmt: skip
             return _ReplicaHeader(app, self.tag)
 
     return TokenmillReplica.bind()
+
+
+def _replica_app(
+    async_engine: Any,
+    served_name: str,
+    api_keys: list[str],
+    response_store: str,
+    response_store_caps: tuple[int, int] | None,
+    *,
+    enable_per_request_metrics: bool,
+    aliases: tuple[str, str, str | None],
+    app_options: dict[str, Any],
+) -> Any:
+    """A replica's app (``server/app.build_app``) over its engine and the response store every replica shares."""
+    from tokenmill.model.gguf_loader import default_cache_dir
+    from tokenmill.server.app import build_app
+    from tokenmill.server.launch import model_aliases
+    from tokenmill.server.response_store import open_response_store
+
+    store = open_response_store(response_store, *(response_store_caps or ()), cache_dir=default_cache_dir())
+    return build_app(
+        async_engine, served_name, api_keys, response_store=store,
+        enable_per_request_metrics=enable_per_request_metrics, model_aliases=model_aliases(*aliases),
+        **app_options,
+    )  # fmt: skip
+
+
+def _deployment_options(
+    num_replicas: int,
+    max_replicas: int | None,
+    target_ongoing_requests: int,
+    num_cpus_per_replica: float,
+    max_queue: int,
+) -> dict[str, Any]:
+    """Serve's deployment options: a fixed count of replicas, or autoscaling between the two counts; a replica
+    takes no more than its engine's queue (more would wait in Serve's queue instead)."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": num_cpus_per_replica},
+        "max_ongoing_requests": max_queue,
+    }
+    if max_replicas is not None and max_replicas > num_replicas:
+        options["autoscaling_config"] = {
+            "min_replicas": num_replicas,
+            "max_replicas": max_replicas,
+            "target_ongoing_requests": target_ongoing_requests,
+        }
+    else:
+        options["num_replicas"] = num_replicas
+    return options
 
 
 def run(

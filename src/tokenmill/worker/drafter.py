@@ -35,6 +35,7 @@ import torch
 from tokenmill.core.sched_output import ScheduledRow
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache
 from tokenmill.request import Request
+from tokenmill.worker.forward import forward_rows
 
 
 @dataclass
@@ -91,50 +92,13 @@ class Drafter:
     def fill(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         """The rows with their placeholder slots holding the draft's tokens, fewer where the draft's confidence
         fell below ``p_min`` (``num_spec_tokens`` cut to them); other rows as they are."""
-        from tokenmill.worker.model_runner import forward_rows
-
         drafting = [i for i, row in enumerate(rows) if row.num_spec_tokens]
         for rid in [r for r in self._progress if r not in self.requests]:
             del self._progress[rid]  # finished
         if not drafting:
             return rows
-        index = {rows[i].request_id: i for i in drafting}
-        drafts: dict[str, list[int]] = {rows[i].request_id: [] for i in drafting}
-        # forward 1: what the draft has not seen, up to and including the row's last sampled token. After a
-        # verification the draft's KV is right up to the target's accepted length (the row's start) at most.
-        current = []
-        for i in drafting:
-            row, request = rows[i], self.requests[rows[i].request_id]
-            progress = self._progress.setdefault(row.request_id, _Progress())
-            if (
-                progress.num_preemptions != request.num_preemptions
-            ):  # its blocks were dropped and computed anew
-                progress.num_valid, progress.num_preemptions = 0, request.num_preemptions
-            start = min(progress.valid_for(request.all_token_ids), row.start_position)
-            tokens = request.all_token_ids[start : row.start_position + 1]
-            is_prefill = start < request.num_prompt_tokens  # the prompt's tokens: a prefill's attention
-            current.append(ScheduledRow(row.request_id, tokens, start, row.block_ids, True, is_prefill))
-        while current:
-            hidden = forward_rows(
-                self.loaded.model, current, self.kv_caches, self.block_size, self.loaded.device
-            )
-            last = (
-                torch.tensor(list(accumulate(r.num_new_tokens for r in current)), device=self.loaded.device)
-                - 1
-            )
-            logits = self.loaded.model.compute_logits(hidden[last])  # [rows, V]
-            confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # the greedy drafts
-            following = []
-            for row, token, p in zip(current, best.tolist(), confidence.tolist(), strict=True):
-                if p < self.p_min:
-                    continue  # the row's proposal ends before this token
-                drafted = drafts[row.request_id]
-                drafted.append(int(token))
-                if len(drafted) < rows[index[row.request_id]].num_spec_tokens:  # the next forward's input
-                    following.append(
-                        ScheduledRow(row.request_id, [int(token)], row.seq_len, row.block_ids, True, False)
-                    )
-            current = following
+        wanted = {rows[i].request_id: rows[i].num_spec_tokens for i in drafting}
+        drafts = self._draft([self._catch_up(rows[i]) for i in drafting], wanted)
         out = list(rows)
         for i in drafting:
             row = rows[i]
@@ -149,3 +113,39 @@ class Drafter:
             progress = self._progress[row.request_id]
             progress.num_valid, progress.inputs = row.start_position + 1, drafted[: k - 1]
         return out
+
+    def _catch_up(self, row: ScheduledRow) -> ScheduledRow:
+        """The draft's first forward for ``row``: what it has not seen, up to and including the row's last sampled
+        token. After a verification the draft's KV is right up to the target's accepted length (the row's start)
+        at most."""
+        request = self.requests[row.request_id]
+        progress = self._progress.setdefault(row.request_id, _Progress())
+        if progress.num_preemptions != request.num_preemptions:  # its blocks were dropped and computed anew
+            progress.num_valid, progress.num_preemptions = 0, request.num_preemptions
+        start = min(progress.valid_for(request.all_token_ids), row.start_position)
+        tokens = request.all_token_ids[start : row.start_position + 1]
+        is_prefill = start < request.num_prompt_tokens  # the prompt's tokens: a prefill's attention
+        return ScheduledRow(row.request_id, tokens, start, row.block_ids, True, is_prefill)
+
+    def _draft(self, current: list[ScheduledRow], wanted: dict[str, int]) -> dict[str, list[int]]:
+        """Greedy drafts, a forward a token, each row's until it has ``wanted`` of them or the draft's confidence
+        falls below ``p_min``."""
+        drafts: dict[str, list[int]] = {rid: [] for rid in wanted}
+        device = self.loaded.device
+        while current:
+            hidden = forward_rows(self.loaded.model, current, self.kv_caches, self.block_size, device)
+            last = torch.tensor(list(accumulate(r.num_new_tokens for r in current)), device=device) - 1
+            logits = self.loaded.model.compute_logits(hidden[last])  # [rows, V]
+            confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # the greedy drafts
+            following = []
+            for row, token, p in zip(current, best.tolist(), confidence.tolist(), strict=True):
+                if p < self.p_min:
+                    continue  # the row's proposal ends before this token
+                drafted = drafts[row.request_id]
+                drafted.append(int(token))
+                if len(drafted) < wanted[row.request_id]:  # the next forward's input
+                    following.append(
+                        ScheduledRow(row.request_id, [int(token)], row.seq_len, row.block_ids, True, False)
+                    )
+            current = following
+        return drafts

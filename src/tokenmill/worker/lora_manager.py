@@ -5,6 +5,8 @@ their slots (``model.lora.StepLoRA``)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,18 +25,15 @@ class LoRAManager:
         max_rank: int,
         max_cpu_loras: int | None,
         device: torch.device | str = "cpu",
-        shard: tuple[int, int] | None = None,
+        shard: tuple[Any, Callable[[LoRAAdapter], LoRAAdapter]] | None = None,
     ) -> None:
-        """``shard``: (rank, world) of a tensor-parallel model: adapters are loaded whole (their shapes checked
-        against the whole model) and cut to this rank's share (``tensor_parallel.lora_shard``)."""
+        """``shard``: a tensor-parallel rank's projection shapes and the function that cuts an adapter to them
+        (``tensor_parallel.lora_shard``): adapters are loaded whole (their shapes checked against the whole model)
+        and cut to this rank's share."""
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        shapes, self._cut = None, None
-        if shard is not None:
-            from tokenmill.worker.tensor_parallel import lora_shard
-
-            shapes, self._cut = lora_shard(config, *shard)
+        shapes, self._cut = shard if shard is not None else (None, None)
         self.slots = LoRASlots(config, max_loras, max_rank, device, shapes)
         self.kernel = lora_kernel() if torch.device(device).type == "cpu" else None
         self.requests: dict[int, LoRARequest] = {}  # every adapter added, by id

@@ -4,7 +4,7 @@ has not run yet).
 
 Rank 0 is the engine's own process: it schedules, and before each forward broadcasts the step's rows (the
 scheduler's own output, plain data: ``core/sched_output.py``) to the worker processes, which run the same
-forward (``model_runner.forward_rows``) on their shards; rank 0 alone computes logits and samples.
+forward (``forward.forward_rows``) on their shards; rank 0 alone computes logits and samples.
 
 The split, for ``world`` ranks (Megatron-style, as vLLM's column/row parallel linears):
 
@@ -162,7 +162,7 @@ def free_port() -> int:
 def _prepare(loaded: Any, rank: int, world: int) -> Any:
     """Shard a loaded model and prepare its backend again, without the decode stack (the all-reduces sit between
     layers)."""
-    from tokenmill.model.backend import select_backend
+    from tokenmill.model.backends import select_backend
 
     local_config = shard_model(loaded.model, rank, world)
     select_backend(loaded.device, loaded.dtype, local_config.head_dim, decode_stack=False).prepare(
@@ -184,8 +184,8 @@ def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str,
                  block_size: int, num_threads: int, timeout_s: float, kv_dtype: str,
                  lora_options: tuple[int, int, int | None] | None = None) -> None:  # fmt: skip
     from tokenmill.model.loader import allocate_kv_cache, load_model
+    from tokenmill.worker.forward import forward_rows
     from tokenmill.worker.lora_manager import LoRAManager
-    from tokenmill.worker.model_runner import forward_rows
 
     torch.set_num_threads(num_threads)
     backend, load_kwargs = _backend_and_device(load_kwargs, rank)
@@ -196,7 +196,9 @@ def _worker_main(rank: int, world: int, init_method: str, load_kwargs: dict[str,
     kv = allocate_kv_cache(local_config, num_blocks, block_size, getattr(torch, kv_dtype), loaded.device)
     loras = None
     if lora_options is not None:
-        loras = LoRAManager(loaded.config, *lora_options, device=loaded.device, shard=(rank, world))
+        loras = LoRAManager(
+            loaded.config, *lora_options, device=loaded.device, shard=lora_shard(loaded.config, rank, world)
+        )
     dist.barrier()  # loaded: the driver may start
     with torch.inference_mode():
         for step in itertools.count(1):

@@ -44,6 +44,13 @@ struct PagedCache {
   int64_t row = head_dim + simd::kKvRowExtra<K>;  // elements from one (token, KV head) row to the next
   int64_t token_stride() const { return num_kv_heads * row; }
   int64_t block_stride() const { return block_size * num_kv_heads * row; }
+  // One token's keys and values [num_kv_heads * head_dim] fp32 into cache slot `slot`, in the cache's element
+  // type (rounded as torch's .to() rounds; int8 as kv_format.py encodes). The cache tensors are the caller's,
+  // writable: the pointers are const for the readers.
+  void write_token(int64_t slot, const float* keys, const float* values) const {
+    simd::kv_token_from_float<K>(keys, num_kv_heads, head_dim, const_cast<Elem*>(k) + slot * token_stride());
+    simd::kv_token_from_float<K>(values, num_kv_heads, head_dim, const_cast<Elem*>(v) + slot * token_stride());
+  }
 };
 
 

@@ -223,17 +223,9 @@ class DecodeStack {
         std::copy(row, row + q_size, q_rows.data() + m * q_size);
       }
       with_paged_cache(kc, vc, [&](const auto& cache) {
-        using Elem = typename std::decay_t<decltype(cache)>::Elem;
-        constexpr simd::KvType K = std::decay_t<decltype(cache)>::kType;
-        // K and V of each row into its slot, in the cache's dtype (rounded as torch's .to() rounds; int8 as
-        // kv_format.py encodes)
-        auto* kp = const_cast<Elem*>(cache.k);
-        auto* vp = const_cast<Elem*>(cache.v);
-        const int64_t ts = cache.token_stride();
-        for (int64_t m = 0; m < M; ++m) {
+        for (int64_t m = 0; m < M; ++m) {  // K and V of each row into its slot, in the cache's dtype
           const float* row = qkv.data() + m * qkv_size;
-          simd::kv_token_from_float<K>(row + q_size, Hkv, D, kp + slots[m] * ts);
-          simd::kv_token_from_float<K>(row + q_size + kv_size, Hkv, D, vp + slots[m] * ts);
+          cache.write_token(slots[m], row + q_size, row + q_size + kv_size);
         }
         attend_rows(q_rows.data(), cache, tables, max_blocks, lens, M, Hq, 1.f / std::sqrt(static_cast<float>(D)),
                     attn.data());

@@ -170,19 +170,13 @@ inline torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   with_paged_cache(k_cache, v_cache, [&](const auto& cache) {
-    using Elem = typename std::decay_t<decltype(cache)>::Elem;
-    constexpr simd::KvType K = std::decay_t<decltype(cache)>::kType;
-    auto* kp = const_cast<Elem*>(cache.k);
-    auto* vp = const_cast<Elem*>(cache.v);
-    const int64_t ts = cache.token_stride();
     at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
       std::vector<float> k_rot(kv_size);
       for (int64_t t = b; t < e; ++t) {
         const float* row = src + t * (q_size + 2 * kv_size);
         rope_heads(row, qp + t * q_size, Hq, D, R, cp + t * half, sp + t * half);
         rope_heads(row + q_size, k_rot.data(), Hkv, D, R, cp + t * half, sp + t * half);
-        simd::kv_token_from_float<K>(k_rot.data(), Hkv, D, kp + slots[t] * ts);
-        simd::kv_token_from_float<K>(row + q_size + kv_size, Hkv, D, vp + slots[t] * ts);
+        cache.write_token(slots[t], k_rot.data(), row + q_size + kv_size);
       }
     });
   });

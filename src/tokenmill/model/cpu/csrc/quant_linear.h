@@ -592,6 +592,22 @@ struct QuantMatrix {
   int64_t n = 0, k = 0;
   bool has_q8 = false;
   int64_t num_tiles() const { return first_tile.back(); }
+  size_t part_of(int64_t tile) const {
+    return static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1);
+  }
+  // fn(t, part, bytes, col, ncols) for each tile t in [t0, t1): its part, its bytes, the output column of its
+  // first row and its row count (kPanel, fewer in a part's last tile).
+  template <class Fn>
+  void for_each_tile(int64_t t0, int64_t t1, Fn&& fn) const {
+    size_t p = part_of(t0);
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first_tile[p + 1]) ++p;
+      const QuantPart& part = parts[p];
+      const int64_t local = t - first_tile[p];
+      fn(t, part, part.data + local * part.tile_bytes, part.col + local * kPanel,
+         std::min(kPanel, part.rows - local * kPanel));
+    }
+  }
 };
 
 template <int Bits, int Group, bool kMin>
@@ -718,25 +734,16 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, flo
   const RowSums xsum(x, M, K, block_rows);  // for the exact parts' small blocks
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> panel;  // an expanded tile of an exact part, for more than kQFusedRows rows
-    size_t p0 = static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t0) -
-                                    w.first_tile.begin() - 1);
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m1 = std::min(M, m0 + block_rows);
-      size_t p = p0;
-      for (int64_t t = t0; t < t1; ++t) {
-        while (t >= w.first_tile[p + 1]) ++p;
-        const QuantPart& part = w.parts[p];
-        const int64_t local = t - w.first_tile[p];
-        const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
-        const uint8_t* tile = part.data + local * part.tile_bytes;
+      w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
         if (part.q8_rows) {
-          part.q8_rows(acts, m0, m1, tile, y + part.col + local * kPanel, N, ncols);
+          part.q8_rows(acts, m0, m1, tile, y + col, N, ncols);
         } else {
           if (M > kQFusedRows && panel.empty()) panel.resize(K * kPanel);
-          part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(),
-                         y + part.col + local * kPanel, N, ncols);
+          part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
         }
-      }
+      });
     }
   });
 }
@@ -759,31 +766,23 @@ inline void quant_linear_chunked(const float* x, int64_t M, const QuantMatrix& w
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> panel;  // one tile's piece of K, expanded
     if (panel.size() < size_t(kQChunkInputs * kPanel)) panel.resize(kQChunkInputs * kPanel);
-    const size_t p0 = static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t0) -
-                                          w.first_tile.begin() - 1);
     for (int64_t m0 = 0; m0 < M; m0 += kQChunkRows) {
       const int64_t m1 = std::min(M, m0 + kQChunkRows);
       const bool few = m1 - m0 <= kQFusedRows;
       for (int64_t k0 = 0; k0 < K; k0 += few ? K : kQChunkInputs) {
         const int64_t k1 = std::min(K, k0 + kQChunkInputs);
-        size_t p = p0;
-        for (int64_t t = t0; t < t1; ++t) {
-          while (t >= w.first_tile[p + 1]) ++p;
-          const QuantPart& part = w.parts[p];
-          const int64_t local = t - w.first_tile[p];
-          const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
-          const uint8_t* tile = part.data + local * part.tile_bytes;
-          float* out = y + part.col + local * kPanel;
+        w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
+          float* out = y + col;
           if (few) {
             part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, nullptr, out, N, ncols);
-            continue;
+            return;
           }
           part.expand_groups(tile, k0 / part.group, k1 / part.group, panel.data());
           if (k0 == 0)
             panel_rows<false, false>(x, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
           else
             panel_rows<false, true>(x + k0, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
-        }
+        });
       }
     }
   });
@@ -808,44 +807,28 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
   }
   const RowSums xsum(x, M, K, block_rows);
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
-    auto part_of = [&](int64_t t) {
-      return static_cast<size_t>(std::upper_bound(w.first_tile.begin(), w.first_tile.end(), t) -
-                                 w.first_tile.begin() - 1);
-    };
     if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {
       // More than one block of rows: expand the thread's tiles once, then run them as panel_linear does
       // per thread, kept across calls: a fresh multi-MB buffer per call cost its page faults (~8% at 1,024 rows)
       thread_local std::vector<float> panels;
       if (panels.size() < size_t((t1 - t0) * K * kPanel)) panels.resize((t1 - t0) * K * kPanel);
-      for (int64_t t = t0; t < t1; ++t) {
-        const QuantPart& part = w.parts[part_of(t)];
-        const int64_t local = t - w.first_tile[part_of(t)];
-        part.expand_panel(part.data + local * part.tile_bytes, part.num_groups, panels.data() + (t - t0) * K * kPanel);
-      }
+      w.for_each_tile(t0, t1, [&](int64_t t, const QuantPart& part, const uint8_t* tile, int64_t, int64_t) {
+        part.expand_panel(tile, part.num_groups, panels.data() + (t - t0) * K * kPanel);
+      });
       for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
         const int64_t m1 = std::min(M, m0 + block_rows);
-        for (int64_t t = t0; t < t1; ++t) {
-          const size_t p = part_of(t);
-          const int64_t local = t - w.first_tile[p];
-          const int64_t ncols = std::min(kPanel, w.parts[p].rows - local * kPanel);
-          panel_rows<true>(x, K, m0, m1, K, panels.data() + (t - t0) * K * kPanel,
-                           y + w.parts[p].col + local * kPanel, N, ncols);
-        }
+        w.for_each_tile(t0, t1, [&](int64_t t, const QuantPart&, const uint8_t*, int64_t col, int64_t ncols) {
+          panel_rows<true>(x, K, m0, m1, K, panels.data() + (t - t0) * K * kPanel, y + col, N, ncols);
+        });
       }
       return;
     }
     std::vector<float> panel(M > kQFusedRows ? K * kPanel : 0);  // an expanded tile (prefill only)
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m1 = std::min(M, m0 + block_rows);
-      size_t p = part_of(t0);
-      for (int64_t t = t0; t < t1; ++t) {
-        while (t >= w.first_tile[p + 1]) ++p;
-        const QuantPart& part = w.parts[p];
-        const int64_t local = t - w.first_tile[p];
-        const int64_t ncols = std::min(kPanel, part.rows - local * kPanel);
-        part.tile_rows(x, xsum.data(), m0, m1, K, part.data + local * part.tile_bytes, part.num_groups, panel.data(),
-                       y + part.col + local * kPanel, N, ncols);
-      }
+      w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
+        part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
+      });
     }
   });
 }

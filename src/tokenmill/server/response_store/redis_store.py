@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.server.response_store import (
+from tokenmill.server.response_store.local import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_COUNT,
     ResponseStore,
