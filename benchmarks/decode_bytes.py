@@ -36,7 +36,7 @@ if sys.argv[3] == "byte":  # the byte-a-code layouts, for the side-by-side row
     gguf_blocks.QuantizedWeight.from_groups = functools.partial(
         gguf_blocks.QuantizedWeight.from_groups.__func__, gguf_blocks.QuantizedWeight, six_bit=False)
 from tokenmill import LLM, SamplingParams
-from tokenmill.cli import _file_step_bytes
+from tokenmill.cli.commands import _file_step_bytes
 from tokenmill.model import hardware
 from tokenmill.model.quant import decode_read_bytes
 llm = LLM(sys.argv[1], quantization=sys.argv[2], speculative_config={"method": "none"}, enable_prefix_caching=False)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    from tokenmill.models import resolve
+    from tokenmill.model.registry import resolve
 
     path = str(Path(resolve(args.model)).resolve())
     rows = [

@@ -40,7 +40,8 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from tokenmill import LLM, models, system_info
+    from tokenmill import LLM, system_info
+    from tokenmill.model import registry as models
 
     path = (
         str(models.pull(args.model, progress=False, log=lambda s: None))

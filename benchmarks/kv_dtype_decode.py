@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-tokens", type=int, default=32, help="tokens llama-server decodes per depth")
     args = parser.parse_args(argv)
     from tokenmill.model.loader import kv_bytes_per_block, load_model
-    from tokenmill.models import resolve
+    from tokenmill.model.registry import resolve
 
     loaded = load_model(resolve(args.model), device="cpu")
     config = loaded.config

@@ -94,7 +94,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from tokenmill.models import resolve
+    from tokenmill.model.registry import resolve
     from tokenmill.system_info import collect, one_line
     from tokenmill.tokenizer import Tokenizer
 

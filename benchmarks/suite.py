@@ -6,7 +6,7 @@
 1. Load tokenmill (fp32 on CPU, bf16 on CUDA) and build the cases' token-id prompts (``workloads.py``).
 2. Measure the hardware limits (``tokenmill/model/hardware.py``): matmul FLOP/s at the model's shapes, read bandwidth.
 3. Run each engine over the chosen cases, one engine at a time, loading and warming it up untimed.
-4. Put a lower bound on each (case, engine) from the FLOP/byte model (``tokenmill/cost_model.py``) with that
+4. Put a lower bound on each (case, engine) from the FLOP/byte model (``tokenmill/measure/cost_model.py``) with that
    engine's bytes per weight, and print time, useful tokens/s, time over tokenmill's, the fraction of
    the limit reached and the share of outputs identical to tokenmill's; then the targets, PASS/FAIL.
 5. Write everything as JSON (default ``bench_out/suite-<time>.json``; ``bench_out/`` is git-ignored).
@@ -42,7 +42,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.peers import HFContinuousRunner, HFStaticRunner, LlamaCppRunner, release_hf_models  # noqa: E402
 from benchmarks.tokenmill_runner import TokenmillRunner, measure_overhead  # noqa: E402
 from tokenmill import system_info  # noqa: E402
-from tokenmill.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
+from tokenmill.measure.cost_model import SMOLLM2_135M, ModelShape, workload_bound  # noqa: E402
 from tokenmill.model import hardware  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.model is not None:
-        from tokenmill.models import resolve
+        from tokenmill.model.registry import resolve
 
         if args.gguf is not None:
             parser.error("give --model or --gguf, not both")

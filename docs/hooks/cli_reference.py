@@ -4,6 +4,7 @@ cannot drift from the flags. ``docs/cli.md`` holds the marker below; :func:`rend
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 MARKER = "<!-- cli-reference -->"
@@ -25,7 +26,14 @@ def _command(parser: argparse.ArgumentParser, name: str, help_text: str, out: li
         rows = [_row(a) for a in group._group_actions if not isinstance(a, argparse._SubParsersAction)]
         rows = [r for r in rows if r]
         if rows:
-            out += [f"**{group.title}**", "", "| flag | default | what it does |", "| --- | --- | --- |", *rows, ""]
+            out += [
+                f"**{group.title}**",
+                "",
+                "| flag | default | what it does |",
+                "| --- | --- | --- |",
+                *rows,
+                "",
+            ]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help or "" for a in action._choices_actions}
@@ -49,10 +57,8 @@ def _help(action: argparse.Action) -> str:
     text = action.help or ""
     if "%" in text:
         params = {**vars(action), "prog": ""}
-        try:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             text = text % params
-        except (KeyError, TypeError, ValueError):
-            pass
     return text
 
 

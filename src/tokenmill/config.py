@@ -227,7 +227,7 @@ class EngineConfig:
     # speculative decoding (None: off): a SpeculativeConfig or vLLM's dict, {"method": "ngram", ...}, {"method":
     # "none"} (off), or SPECULATION_AUTO (LLM's and the CLI's default: n-gram lookup for a generative model)
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
-    # the machine's limits for each step's roofline fraction (tokenmill.roofline): None or "none" (off), "cached"
+    # the machine's limits for each step's roofline fraction (tokenmill.measure.roofline): None or "none" (off), "cached"
     # (measured once per machine and kept in the cache directory, model/hardware_cache.py: the server's default),
     # "measure" (now, and cached), or "GFLOPS,GBS"
     hardware_limits: str | None = None

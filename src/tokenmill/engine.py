@@ -35,13 +35,13 @@ from tokenmill.config import (
 )
 from tokenmill.core.sched_output import SampledToken, StepRecord
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.cost_model import ModelShape
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import CONSTRAINT_FAILED, BadRequestError
 from tokenmill.lora_request import LoRARequest
+from tokenmill.measure.cost_model import ModelShape
+from tokenmill.measure.roofline import MachineLimits, StepRoofline, step_kind
 from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.roofline import MachineLimits, StepRoofline, step_kind
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
 from tokenmill.worker.thread_governor import ThreadGovernor
@@ -361,7 +361,7 @@ class Engine:
                 "speculative_config: method 'draft_model' does not run on a sliding-window model"
             )
         from tokenmill.model.loader import load_model
-        from tokenmill.models import resolve
+        from tokenmill.model.registry import resolve
         from tokenmill.worker.drafter import check_same_vocabulary
 
         # A draft's arithmetic needs no exactness (the target verifies every token): a quantized GGUF on CPU takes

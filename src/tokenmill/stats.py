@@ -45,7 +45,7 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     idle_rows_by_reason: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in IdleReason})
-    # the roofline (tokenmill.roofline, when the engine knows its machine's limits), by step kind: the steps'
+    # the roofline (tokenmill.measure.roofline, when the engine knows its machine's limits), by step kind: the steps'
     # least possible time on this machine, their wall time, and how many
     roofline_bound_s: dict[str, float] = field(default_factory=dict)
     roofline_step_s: dict[str, float] = field(default_factory=dict)

@@ -126,7 +126,7 @@ def model_server(pulled: str | None, *args: str) -> ServerProcess:
     """A started server on the embedded model (``pulled`` None) or on a model ``tokenmill pull`` fetches (pulled
     once, then cached), with ``model_name`` set to what clients call it."""
     if pulled is not None:
-        from tokenmill import models
+        from tokenmill.model import registry as models
 
         args = (*args, "--model", str(models.pull(pulled, progress=False, log=lambda s: None)))
     proc = ServerProcess(*args).start(timeout_s=600)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from serverproc import ServerProcess
 
-from tokenmill import LLM, models
+from tokenmill import LLM
+from tokenmill.model import registry as models
 
 TEXTS = [
     "The cat sits on the mat.",

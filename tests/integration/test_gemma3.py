@@ -100,8 +100,8 @@ def test_gemma3_270m_greedy_equals_transformers_on_the_same_file() -> None:
     tokenizers agree and five greedy continuations equal transformers' reading the same file in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenmill import models
     from tokenmill.engine import Engine
+    from tokenmill.model import registry as models
     from tokenmill.sampling_params import SamplingParams
 
     path = models.pull("gemma-3-270m", progress=False, log=lambda s: None)

@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from tokenmill.bench.replay import ReplayConfig, replay_live, replay_unit
+from tokenmill.measure.traffic import read_traffic
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.app import build_app
 from tokenmill.server.async_engine import AsyncEngine, collect
 from tokenmill.server.recorder import TrafficRecorder
 from tokenmill.server.tracing import RequestTracer
-from tokenmill.traffic import read_traffic
 
 # --- an OTLP/HTTP receiver -------------------------------------------------------------------------------
 
@@ -365,7 +365,7 @@ def test_chat_stats_show_the_engine_timings(make_engine: Any) -> None:
     import io
     import re
 
-    from tokenmill.chat_session import ChatSession
+    from tokenmill.cli.chat_session import ChatSession
 
     out = io.StringIO()
     session = ChatSession(make_engine(), SamplingParams(max_tokens=6, temperature=0.0), stats=True, out=out)
@@ -421,7 +421,7 @@ def test_decode_roofline_agrees_with_the_suite_case_c(make_engine: Any) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import workloads
 
-    from tokenmill.cost_model import ModelShape, workload_bound
+    from tokenmill.measure.cost_model import ModelShape, workload_bound
 
     engine = make_engine(hardware_limits="measure")
     limits = engine.roofline.limits

@@ -144,7 +144,7 @@ def test_refusals_in_ollama_shape(client: ollama.Client, name: str, server: Serv
 
 @pytest.mark.slow
 def test_embeddings_from_an_embedding_model() -> None:
-    from tokenmill import models
+    from tokenmill.model import registry as models
 
     if models.pulled_path("all-minilm-l6-v2") is None:
         models.pull("all-minilm-l6-v2")
@@ -164,7 +164,7 @@ def test_embeddings_from_an_embedding_model() -> None:
 def test_pull_reports_progress_as_ollama_does(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``/api/pull`` runs ``tokenmill pull`` (here a stand-in that writes three pieces) and streams Ollama's
     progress objects; an unknown name is a 404; ``stream: false`` gives the last object."""
-    from tokenmill import models
+    from tokenmill.model import registry as models
     from tokenmill.server.app import build_app
     from tokenmill.server.async_engine import AsyncEngine
 
@@ -272,7 +272,7 @@ def test_the_1_5b_through_the_clients() -> None:
     question, LangChain's ChatOllama."""
     from langchain_ollama import ChatOllama
 
-    from tokenmill import models
+    from tokenmill.model import registry as models
 
     if models.pulled_path("qwen2.5-coder-1.5b-instruct") is None:
         models.pull("qwen2.5-coder-1.5b-instruct")

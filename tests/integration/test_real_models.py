@@ -25,7 +25,7 @@ import pytest
 import torch
 from serverproc import ServerProcess
 
-from tokenmill import models
+from tokenmill.model import registry as models
 
 pytestmark = pytest.mark.slow
 NAME = "qwen2.5-coder-1.5b-instruct"

@@ -502,7 +502,7 @@ def test_a_model_alias_is_served_and_other_names_are_404() -> None:
 
 
 def test_the_pulled_name_and_the_files_own_are_aliases(tmp_path, monkeypatch) -> None:
-    from tokenmill import models
+    from tokenmill.model import registry as models
     from tokenmill.server.launch import model_aliases
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))

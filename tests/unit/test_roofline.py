@@ -1,4 +1,4 @@
-"""Each step's roofline bound (tokenmill.roofline) against the cost model's FLOPs and bytes, worked by hand."""
+"""Each step's roofline bound (tokenmill.measure.roofline) against the cost model's FLOPs and bytes, worked by hand."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ScheduledRow
-from tokenmill.cost_model import ModelShape
-from tokenmill.roofline import MachineLimits, StepRoofline, step_kind
+from tokenmill.measure.cost_model import ModelShape
+from tokenmill.measure.roofline import MachineLimits, StepRoofline, step_kind
 from tokenmill.stats import EngineStats
 
 # one layer, hidden 4, 2 heads of 2 (1 KV head), MLP 8, vocab 10

@@ -176,7 +176,7 @@ def _print_batching(result: Any, workload_name: str, config: Any, args: argparse
 
 
 def format_roofline(stats: dict[str, Any], limits: str) -> str:
-    """The engine's steps against the machine's limit, by kind (``tokenmill.roofline``)."""
+    """The engine's steps against the machine's limit, by kind (``tokenmill.measure.roofline``)."""
     fractions, counts = stats.get("roofline_fraction_by_kind") or {}, stats.get("num_roofline_steps") or {}
     parts = [f"{kind} {fractions[kind]:.2f} ({counts.get(kind, 0)} steps)" for kind in sorted(fractions)]
     return f"roofline (the engine's steps' least possible time / their wall time, limits {limits}): " + (

@@ -35,9 +35,9 @@ from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput, StepRecord
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.measure.traffic import Traffic, TrafficRequest, read_traffic, synthetic_prompt
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.traffic import Traffic, TrafficRequest, read_traffic, synthetic_prompt
 
 END_OF_SEQUENCE = 1  # the fake model's end-of-sequence token
 FILLER = 7  # every other token it samples

@@ -16,7 +16,7 @@ threads and dtype could in principle reach:
 
 Run alone: ``python -m tokenmill.model.hardware [--device cuda]``. The suite measures with it
 (``benchmarks/suite.py``), and so does the engine at start with ``--hardware-limits measure`` (its per-step
-roofline fraction, ``tokenmill.roofline``).
+roofline fraction, ``tokenmill.measure.roofline``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The machine's limits measured once per machine and kept in the cache directory.
 
 ``model/hardware.py`` measures the fp32 matmul peak, the integer dot-product peak and the read bandwidth in a
-few seconds; a server's roofline (``--hardware-limits``, ``tokenmill.roofline``) needs them at every start. This
+few seconds; a server's roofline (``--hardware-limits``, ``tokenmill.measure.roofline``) needs them at every start. This
 module keeps one JSON file per machine as the engine sees it: the CPU's model name, its flags, its core count,
 the torch thread count and the kernel variant (any of them changed: another file, measured again). The first
 start measures and says so; later starts read the file.
@@ -46,7 +46,7 @@ def machine_key(num_threads: int | None = None) -> dict[str, Any]:
 
 
 def cache_path(key: dict[str, Any], cache_dir: Path | None = None) -> Path:
-    from tokenmill.models import cache_root
+    from tokenmill.model.registry import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return (cache_dir or cache_root()) / "hardware" / f"limits-{digest}.json"

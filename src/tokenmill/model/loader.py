@@ -98,7 +98,7 @@ def load_model(
     quantization: str | None = None,
 ) -> LoadedModel:
     """Load a Llama model: ``None`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file, an HF directory, or the
-    name of a model ``tokenmill pull`` fetched (:mod:`tokenmill.models`).
+    name of a model ``tokenmill pull`` fetched (:mod:`tokenmill.model.registry`).
 
     ``cache_dir`` holds dequantized GGUF weights (default ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``).
     ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``None`` lets :mod:`~tokenmill.model.arithmetic`
@@ -218,7 +218,7 @@ def _load_gguf(
 
 
 def _model_path(model: str | None) -> Path:
-    from tokenmill.models import CATALOGUE, resolve
+    from tokenmill.model.registry import CATALOGUE, resolve
 
     path = embedded_model_path() if model is None else Path(resolve(model)).expanduser()
     if not path.exists():

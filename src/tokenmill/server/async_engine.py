@@ -693,7 +693,7 @@ class ModelFacts:
     def of(cls, loaded: Any) -> ModelFacts:
         from pathlib import Path
 
-        from tokenmill.cost_model import ModelShape
+        from tokenmill.measure.cost_model import ModelShape
 
         config = loaded.config
         shape = ModelShape.from_config(config)

@@ -237,7 +237,7 @@ def model_aliases(source: str, file_name: str, asked: str | None) -> list[str]:
     Ollama's library gives it (``qwen2.5-coder:1.5b``, ``smollm2:135m``)."""
     from pathlib import Path
 
-    from tokenmill import models
+    from tokenmill.model import registry as models
     from tokenmill.model.embedded import embedded_model_path
 
     names = [file_name]

@@ -1,4 +1,4 @@
-"""``tokenmill serve --record FILE``: every engine request, as ``tokenmill.traffic`` lines (its format).
+"""``tokenmill serve --record FILE``: every engine request, as ``tokenmill.measure.traffic`` lines (its format).
 
 Written on the engine thread when a request ends, one line each, flushed at once (a killed server loses at
 most the line being written). Never the prompt's text unless ``record_text``: its length and its blocks'
@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tokenmill.measure.traffic import TrafficRequest, header_line, prefix_keys
 from tokenmill.outputs import RequestDelta
 from tokenmill.server.observers import AddedRequest
-from tokenmill.traffic import TrafficRequest, header_line, prefix_keys
 
 
 class IterationClock:

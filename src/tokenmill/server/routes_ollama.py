@@ -364,7 +364,7 @@ async def pull(request: Request) -> Response:
 
     from starlette.concurrency import run_in_threadpool
 
-    from tokenmill import models
+    from tokenmill.model import registry as models
 
     state = get_state(request)
     body = await read_json_body(request, state.max_body_bytes)

@@ -117,7 +117,11 @@ class ModelRunner:
                 output.verified[rows[i].request_id] = tokens
 
     def _prompt_logprobs(
-        self, rows: list[ScheduledRow], hidden: torch.Tensor, query_start_loc: list[int], output: ModelRunnerOutput
+        self,
+        rows: list[ScheduledRow],
+        hidden: torch.Tensor,
+        query_start_loc: list[int],
+        output: ModelRunnerOutput,
     ) -> None:
         """The prompt logprobs of each prefill row whose request asked for them, each entry once."""
         for i, row in enumerate(rows):

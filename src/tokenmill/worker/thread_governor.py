@@ -3,7 +3,7 @@
 A forward splits each matmul into one share per thread and waits for the last share. When another process holds
 one of the cores, the thread on it runs a fraction of the time and every step waits for it: on 2 cores the 135M
 decoded at 35.7 tokens/s with 2 threads against 122.7 with 1 (AMD EPYC family 26). The governor compares the
-steps' efficiency (their roofline bound over their wall time, ``tokenmill.roofline``, so a big step and a small
+steps' efficiency (their roofline bound over their wall time, ``tokenmill.measure.roofline``, so a big step and a small
 one compare) at the thread count in use and at one fewer: every ``probe_every`` decode steps it runs
 ``probe_steps`` steps at the other count and keeps whichever was faster by more than ``margin``. A count that
 keeps winning is probed more rarely (the interval doubles up to ``max_probe_every``), so on a quiet machine the

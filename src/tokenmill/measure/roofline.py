@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import parse_hardware_limits
-from tokenmill.cost_model import ModelShape, RowWork, forward_cost
+from tokenmill.measure.cost_model import ModelShape, RowWork, forward_cost
 
 STEP_KINDS = ("decode", "prefill", "mixed")
 

@@ -61,7 +61,7 @@ def _run_generate(args: argparse.Namespace, chat: bool) -> int:
     engine = Engine(engine_config_from_args(args))
     params = sampling_params_from_args(engine, args)
     if chat and args.message is None:
-        from tokenmill.chat_session import ChatSession
+        from tokenmill.cli.chat_session import ChatSession
 
         return ChatSession(
             engine, params, system=args.system, stats=args.stats, show_prompt=args.show_prompt
@@ -135,7 +135,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_pull(args: argparse.Namespace) -> int:
-    from tokenmill import models
+    from tokenmill.model import registry as models
 
     try:
         models.pull(args.name, force=args.force, progress=not args.no_progress)
@@ -148,7 +148,7 @@ def _run_pull(args: argparse.Namespace) -> int:
 def _run_run(args: argparse.Namespace) -> int:
     """Ollama's ``run``: NAME pulled (with its progress bar) if it is a catalogue model not yet here, then the
     chat; the embedded model by its Ollama name; a path as it is."""
-    from tokenmill import models
+    from tokenmill.model import registry as models
 
     name = models.catalogue_name(args.name)
     if name in models.CATALOGUE:
@@ -173,7 +173,7 @@ def _run_run(args: argparse.Namespace) -> int:
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    from tokenmill import models
+    from tokenmill.model import registry as models
 
     if args.path is not None:
         path = models.pulled_path(models.entry(args.path).name)

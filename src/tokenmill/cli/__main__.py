@@ -1,0 +1,3 @@
+from tokenmill.cli.commands import main
+
+raise SystemExit(main())
