@@ -72,6 +72,7 @@ def test_gemma3_gguf_matches_transformers(embedded_tokenizer_fields, tmp_path: P
     assert_incremental_matches(loaded.model, config, hf_model, prompts([30], seed=5)[0], 6, block_size=4)
 
 
+@pytest.mark.slow  # 7.5 s; every block format against the gguf package's dequantize runs in the unit tests
 def test_gemma3_gguf_blocks_equal_the_file_dequantized(embedded_tokenizer_fields, tmp_path: Path) -> None:  # noqa: F811
     hf_model = build_gemma3(seed=1)
     path = tmp_path / "gemma3-q8_0.gguf"

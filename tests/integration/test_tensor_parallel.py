@@ -48,6 +48,7 @@ def test_embedded_model_tp2_equals_tp1_through_preemption_and_abort() -> None:
         two.close()
 
 
+@pytest.mark.slow  # 7 s; rows reach the workers as in the default run's preemption test
 def test_tp2_with_ngram_speculation_equals_tp1() -> None:
     """Rows carrying proposed tokens reach the workers as any rows do; verification runs on rank 0."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
