@@ -448,10 +448,9 @@ class Engine:
         for tok in params.logit_bias:
             self._check_vocab(tok, "logit_bias")
         adapter = None if lora_request is None else self.add_lora(lora_request)
+        # a constraint not compiled yet is compiled now: a bad one is a ValueError before the request is queued
         if params.structured_outputs is not None and grammar is None:
-            grammar = self.structured_outputs().compile(
-                params.structured_outputs
-            )  # ValueError before queueing
+            grammar = self.structured_outputs().compile(params.structured_outputs)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -175,9 +175,9 @@ class DecodeStack {
       lora_rank = lora_weights[1].size(1);
       lora_rows = lora_blocks(lora_slots.data_ptr<int64_t>(), M, lora_weights[1].size(0));
     }
-    // out [M, N] += the rows' adapter deltas of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
-    auto add_lora = [&](int64_t l, int p, const float* in, int64_t K, float* out, std::vector<int64_t> parts) {
-      if (!lora) return;
+    // out [M, N] += the rows' adapter deltas of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l; called
+    // only with adapters (a step without them builds no part list)
+    auto add_lora = [&](int64_t l, int p, const float* in, int64_t K, float* out, const std::vector<int64_t>& parts) {
       const torch::Tensor& a = lora_weights[8 * l + 2 * p];
       const torch::Tensor& b = lora_weights[8 * l + 2 * p + 1];
       const int64_t N = parts.back(), P = static_cast<int64_t>(parts.size()) - 1;
@@ -206,7 +206,7 @@ class DecodeStack {
       for (int64_t m = 0; m < M; ++m)
         rms_norm_row(h + m * H, L.input_norm.data_ptr<float>(), H, eps_, normed.data() + m * H);
       L.qkv.apply(normed.data(), M, qkv.data());  // [M, q | k | v]
-      add_lora(l, 0, normed.data(), H, qkv.data(), {0, q_size, q_size + kv_size, qkv_size});
+      if (lora) add_lora(l, 0, normed.data(), H, qkv.data(), {0, q_size, q_size + kv_size, qkv_size});
       for (int64_t m = 0; m < M; ++m) {
         float* row = qkv.data() + m * qkv_size;
         if (L.qkv_bias.defined()) {
@@ -231,18 +231,18 @@ class DecodeStack {
                     attn.data());
       });
       L.o.apply(attn.data(), M, proj.data());
-      add_lora(l, 1, attn.data(), q_size, proj.data(), {0, H});
+      if (lora) add_lora(l, 1, attn.data(), q_size, proj.data(), {0, H});
       for (int64_t i = 0; i < M * H; ++i) h[i] += proj[i];
 
       for (int64_t m = 0; m < M; ++m)
         rms_norm_row(h + m * H, L.post_norm.data_ptr<float>(), H, eps_, normed.data() + m * H);
       const int64_t I = L.down.in_features();
       L.gate_up.apply(normed.data(), M, gate_up.data());  // [M, gate | up]
-      add_lora(l, 2, normed.data(), H, gate_up.data(), {0, I, 2 * I});
+      if (lora) add_lora(l, 2, normed.data(), H, gate_up.data(), {0, I, 2 * I});
       for (int64_t m = 0; m < M; ++m)
         silu_mul_row(gate_up.data() + m * 2 * I, gate_up.data() + m * 2 * I + I, I, act.data() + m * I);
       L.down.apply(act.data(), M, proj.data());
-      add_lora(l, 3, act.data(), I, proj.data(), {0, H});
+      if (lora) add_lora(l, 3, act.data(), I, proj.data(), {0, H});
       for (int64_t i = 0; i < M * H; ++i) h[i] += proj[i];
     }
     auto out = torch::empty_like(residual);
