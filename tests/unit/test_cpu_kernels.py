@@ -6,6 +6,7 @@ one). A variant that this CPU runs and that is not built fails here rather than 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tokenmill.model.cpu import kernels as cpu_kernels
 from tokenmill.model.cpu.backend import CpuKernelBackend
 from tokenmill.model.cpu.packing import attach_cpu_kernels
 from tokenmill.model.llama import LlamaForCausalLM, apply_rope
+from tokenmill.model.lora import LoRASlots, StepLoRA
 from tokenmill.model.quant import Int8Linear, quantize_model_int8
 
 
@@ -175,9 +177,11 @@ def _tiny_model(seed: int) -> LlamaForCausalLM:
     return random_model(config, seed)
 
 
-def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int, kv_dtype: torch.dtype = torch.float32):
-    """Random caches (of ``kv_dtype``), then one decode token per row over shuffled block tables:
-    ``(logits, caches)``."""
+def _decode_step(
+    model: LlamaForCausalLM, num_rows: int, seed: int, kv_dtype: torch.dtype = torch.float32, lora: Any = None
+):
+    """Random caches (of ``kv_dtype``), then one decode token per row over shuffled block tables (``lora``: the
+    step's adapters, ``model.lora.StepLoRA``): ``(logits, caches)``."""
     rng = random.Random(seed)
     config, block_size = model.config, 16
     lens = [rng.randint(1, 90) for _ in range(num_rows)]
@@ -194,6 +198,7 @@ def _decode_step(model: LlamaForCausalLM, num_rows: int, seed: int, kv_dtype: to
         for _ in model.model.layers
     ]
     meta = model.plan_attention([1] * num_rows, lens, tables, block_size)
+    meta.lora = lora
     input_ids = torch.randint(0, config.vocab_size, (num_rows,), generator=gen)
     positions = torch.tensor([n - 1 for n in lens])
     with torch.inference_mode():
@@ -247,6 +252,45 @@ def test_decode_stack_matches_the_pure_torch_forward(
     for (k1, v1), (k2, v2) in zip(stacked_caches, plain_caches):  # the same new K/V landed in the same slots
         torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
         torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 11])
+def test_decode_stack_with_adapters_matches_the_torch_forward(
+    kernel_variant, monkeypatch: pytest.MonkeyPatch, num_rows: int
+) -> None:
+    """The decode stack adding each row's LoRA delta after every projection (``forward_lora``: rows of two
+    adapters and of the base model, more rows of one slot than a kernel block holds at 11) against the eager
+    forward with no C++ kernel, whose adapters go through torch (``StepLoRA`` without a kernel)."""
+    model = _tiny_model(seed=7)
+    backend = CpuKernelBackend(model.config.head_dim)
+    backend.prepare(model)
+    if kernel_variant.isa() == "base":  # no stack on the portable build
+        assert backend.decode_stack is None
+        return
+    slots = LoRASlots(model.config, max_loras=2, max_rank=4)
+    gen = torch.Generator().manual_seed(num_rows)
+    with torch.no_grad():
+        for weights in (*slots.a.values(), *slots.b.values()):
+            weights.copy_(torch.randn(weights.shape, generator=gen) * 0.1)
+    token_slots = [0] * 9 + [1, -1] if num_rows == 11 else [[0, -1, 1][i % 3] for i in range(num_rows)]
+    kernel = cpu_kernels.lora_kernel()
+    assert kernel is not None
+    step = StepLoRA(slots, token_slots, kernel)
+    probe = model.plan_attention([1] * num_rows, [5] * num_rows, [[0]] * num_rows, 16)
+    probe.lora = step
+    assert backend.fused_step(probe) is not None  # the step runs in the stack, adapters and all
+    stacked, stacked_caches = _decode_step(model, num_rows, seed=num_rows, lora=step)
+    reference = _torch_reference(model, monkeypatch)
+    plain, plain_caches = _decode_step(reference, num_rows, seed=num_rows, lora=StepLoRA(slots, token_slots))
+    torch.testing.assert_close(stacked, plain, rtol=1e-4, atol=1e-4)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, plain_caches):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-4)
+    base, _ = _decode_step(reference, num_rows, seed=num_rows)
+    adapted = [i for i, s in enumerate(token_slots) if s >= 0]
+    assert (stacked[adapted] - base[adapted]).abs().amax() > 1e-2  # the adapters changed those rows
+    untouched = [i for i, s in enumerate(token_slots) if s < 0]
+    torch.testing.assert_close(stacked[untouched], base[untouched], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
