@@ -275,6 +275,7 @@ def test_the_draft_takes_the_quantization_asked_for(make_engine, engines, embedd
     assert engine.stats.spec_acceptance_rate > 0.9  # the exact draft is the target itself
 
 
+@pytest.mark.slow  # 7 s; a draft model's outputs against plain decoding run by default above
 def test_draft_model_under_preemption_and_with_stops(make_engine, engines, embedded_loaded, prompts) -> None:
     plain = engines[0]
     spec = {
