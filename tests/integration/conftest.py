@@ -28,18 +28,12 @@ def make_engine(embedded_loaded):
 
 
 @pytest.fixture(scope="session")
-def hf_embedded():
+def hf_embedded(hf_gguf):
     """transformers' own reading of the same GGUF file: the independent reference (model, tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tokenmill.model.embedded import embedded_model_path
 
     path = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    return model, tok
+    return hf_gguf.model(path), hf_gguf.tokenizer(path)
 
 
 @pytest.fixture(scope="session")

@@ -96,11 +96,9 @@ GEMMA_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_gemma3_270m_greedy_equals_transformers_on_the_same_file() -> None:
+def test_gemma3_270m_greedy_equals_transformers_on_the_same_file(hf_gguf) -> None:
     """``gemma-3-270m`` (Q4_K_M: Q8_0, Q5_0, Q4_K and Q6_K blocks, 262k-token SentencePiece vocabulary): the
     tokenizers agree and five greedy continuations equal transformers' reading the same file in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tokenmill.engine import Engine
     from tokenmill.model import registry as models
     from tokenmill.sampling_params import SamplingParams
@@ -109,13 +107,13 @@ def test_gemma3_270m_greedy_equals_transformers_on_the_same_file() -> None:
     loaded = load_model(str(path), device="cpu", quantization="gguf")  # the exact path, to compare
     assert loaded.quantization == "gguf" and loaded.config.model_type == "gemma3"
     assert loaded.config.vocab_size == 262144 and loaded.config.head_dim == 256
-    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf_tok = hf_gguf.tokenizer(path)
     ids = [loaded.tokenizer.encode(p) for p in GEMMA_PROMPTS]  # with BOS, as the model was trained
     assert ids == [hf_tok(p)["input_ids"] for p in GEMMA_PROMPTS]
     engine = Engine(loaded=loaded, num_kv_blocks=64)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in engine.generate(ids, params)]
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_gguf.model(path)
     for prompt_ids, got in zip(ids, ours):
         with torch.inference_mode():
             out = hf.generate(

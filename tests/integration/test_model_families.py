@@ -119,15 +119,12 @@ def build_hf(family: str, seed: int = 0, **overrides):
 
 
 @pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory) -> Path:
+def tokenizer_files(tmp_path_factory, hf_gguf) -> Path:
     """The embedded model's tokenizer as transformers saves it (tokenizer.json and its config)."""
-    from transformers import AutoTokenizer
-
     from tokenmill.model.embedded import embedded_model_path
 
-    path = embedded_model_path()
     out = tmp_path_factory.mktemp("tokenizer")
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    hf_gguf.tokenizer(embedded_model_path()).save_pretrained(out)
     return out
 
 

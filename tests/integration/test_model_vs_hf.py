@@ -239,7 +239,7 @@ def test_tiny_on_cuda_matches_hf(dtype: torch.dtype) -> None:
 
 # --- the embedded SmolLM2-135M-Instruct GGUF -----------------------------------------------------
 @pytest.fixture(scope="module")
-def hf_gguf_reference(embedded_loaded):
+def hf_gguf_reference(embedded_loaded, hf_gguf):
     """transformers' own dequantization and Q/K un-permutation of the same GGUF file.
 
     ``from_pretrained(gguf_file=...)`` insists on ``accelerate``; ``load_gguf_checkpoint`` is the same
@@ -248,12 +248,14 @@ def hf_gguf_reference(embedded_loaded):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = embedded_loaded.source
-    parsed = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    with hf_gguf.shared_parsing():
+        parsed = load_gguf_checkpoint(path, return_tensors=False)["config"]
     hf_config = transformers.LlamaConfig(**{k: v for k, v in parsed.items() if k != "model_type"})
     hf_config._attn_implementation = "eager"
     with torch.device("meta"):
         skeleton = transformers.LlamaForCausalLM(hf_config)
-    state_dict = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    with hf_gguf.shared_parsing():
+        state_dict = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
     model = transformers.LlamaForCausalLM(hf_config)
     model.load_state_dict(state_dict, strict=False)
     model.tie_weights()

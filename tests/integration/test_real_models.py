@@ -19,6 +19,7 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -54,10 +55,8 @@ def model_path() -> Path:
 
 
 @pytest.mark.parametrize("name", [NAME, "qwen2.5-coder-0.5b-instruct"])
-def test_greedy_tokens_equal_transformers_on_the_same_file(name: str) -> None:
+def test_greedy_tokens_equal_transformers_on_the_same_file(name: str, hf_gguf: Any) -> None:
     """The 1.5B (Q4_K and Q6_K blocks) and the 0.5B (Q5_0, Q8_0, Q4_K, Q6_K: 896-wide rows)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tokenmill.engine import Engine
     from tokenmill.model.loader import load_model
     from tokenmill.sampling_params import SamplingParams
@@ -65,16 +64,14 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(name: str) -> None:
     model_path = models.pull(name, progress=False, log=lambda s: None)
     loaded = load_model(str(model_path), device="cpu", quantization="gguf")  # the exact path, to compare
     assert loaded.quantization == "gguf"
-    hf_tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    hf_tok = hf_gguf.tokenizer(model_path)
     ids = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert ids == [hf_tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     engine = Engine(loaded=loaded, num_kv_blocks=64)
     ours = [
         o.outputs[0].token_ids for o in engine.generate(ids, SamplingParams(max_tokens=12, temperature=0))
     ]
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_path.parent, gguf_file=model_path.name, dtype=torch.float32
-    )
+    hf = hf_gguf.model(model_path)
     for prompt_ids, got in zip(ids, ours):
         out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False)
         expected = out[0, len(prompt_ids) :].tolist()

@@ -41,13 +41,11 @@ TEMPLATE = (
 MESSAGES = [{"role": "user", "content": "Is water wet?"}]
 
 
-def build_thinking_model(out: Path) -> Path:
-    from transformers import AutoTokenizer
-
+def build_thinking_model(out: Path, hf_gguf: Any) -> Path:
     from tokenmill.model.embedded import embedded_model_path
 
     path = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = hf_gguf.tokenizer(path)
     tok.add_tokens(["<think>", "</think>"])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(out)
@@ -89,8 +87,8 @@ def build_thinking_model(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    folder = build_thinking_model(tmp_path_factory.mktemp("thinking"))
+def app(tmp_path_factory: pytest.TempPathFactory, hf_gguf: Any) -> Iterator[Any]:
+    folder = build_thinking_model(tmp_path_factory.mktemp("thinking"), hf_gguf)
     engine = Engine(model=str(folder), device="cpu", num_kv_blocks=64, speculative_config=None)
     async_engine = AsyncEngine(engine, max_queue=8)
     async_engine.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.model.embedded import embedded_model_path
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_outputs import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
@@ -19,8 +18,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def compiler() -> tuple[StructuredOutputs, Tokenizer]:
-    tokenizer = Tokenizer.from_gguf(embedded_model_path())
+def compiler(embedded_tokenizer: Tokenizer) -> tuple[StructuredOutputs, Tokenizer]:
+    tokenizer = embedded_tokenizer
     return StructuredOutputs(
         tokenizer.to_json(), tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
     ), tokenizer

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from types import ModuleType
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -172,23 +174,54 @@ def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None
         _check_random_mix(seed, "cuda", dtype, atol)
 
 
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (10, 2, 64, 5), (8, 2, 128, 16), (6, 6, 128, 7), (4, 1, 96, 16)],
+_PREFILL_SHAPES = [(9, 3, 64, 16), (10, 2, 64, 5), (8, 2, 128, 16), (6, 6, 128, 7), (4, 1, 96, 16)]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(*shape, kv_dtype) for kv_dtype in KV_DTYPES for shape in _PREFILL_SHAPES],
+    ids=lambda p: "-".join(map(str, p)),
 )
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def prefill_case(request: pytest.FixtureRequest) -> _PrefillCase:
+    """One shape and cache type's inputs and float64 reference, shared by every kernel variant's test (pytest
+    runs a module-scoped parameter's tests together and drops the case when the next one starts)."""
+    return _prefill_case(*request.param)
+
+
 def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
-    kernel_variant, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+    kernel_variant: ModuleType, prefill_case: _PrefillCase
 ) -> None:
     """The tiled prefill kernel: tiles of 64 tokens, prompts with and without a cached prefix, longer than the
     one-token-per-row route takes, a row block straddling tokens, keys past a row's position masked; rows of
     other sequences left untouched."""
     from tokenmill.model.cpu.kernels import paged_prefill_kernel
 
+    case = prefill_case
+    head_dim = case.q.shape[-1]
     kernel = paged_prefill_kernel(head_dim)
     assert (kernel is None) == (head_dim % kernel_variant.panel_width() != 0)  # 80 on AVX-512: torch's path
     if kernel is None:
         return
+    out = torch.full_like(case.q, 7.0)
+    kernel(out, case.q, case.k_cache, case.v_cache, case.tables, case.rows, head_dim**-0.5)
+    assert (out[:5] == 7.0).all()
+    for (start, query_len, _, _), expected in zip(case.rows.tolist(), case.expected):
+        torch.testing.assert_close(out[start : start + query_len], expected, atol=2e-5, rtol=1e-5)
+
+
+class _PrefillCase(NamedTuple):
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor
+    rows: torch.Tensor  # [start, query tokens, cached prefix, table index]
+    expected: list[torch.Tensor]  # each sequence's rows in float64 arithmetic, rounded to float32
+
+
+def _prefill_case(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+) -> _PrefillCase:
+    """The prefill kernel's inputs and their float64 causal softmax, computed once for every kernel variant."""
     gen = torch.Generator().manual_seed(head_dim + block_size)
     seqs = [
         (2, 0),
@@ -216,10 +249,8 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
     for i, (query_len, prefix) in enumerate(seqs):
         rows.append([start, query_len, prefix, i])
         start += query_len
-    out = torch.full_like(q, 7.0)
     scale = head_dim**-0.5
-    kernel(out, q, k_cache, v_cache, tables, torch.tensor(rows), scale)
-    assert (out[:5] == 7.0).all()
+    expected = []
     group = num_heads // num_kv_heads
     k_values, v_values = kv_format.decode(k_cache, torch.float64), kv_format.decode(v_cache, torch.float64)
     for (start, query_len, prefix, i), _ in zip(rows, seqs):
@@ -229,8 +260,8 @@ def test_cpp_prefill_tiles_match_a_float64_causal_softmax(
         scores = torch.einsum("thd,shd->hts", q[start : start + query_len].double(), k.double()) * scale
         visible = torch.arange(seq_len)[None, :] <= torch.arange(prefix, seq_len)[:, None]  # [Tq, S]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [Hq, Tq, S]
-        expected = torch.einsum("hts,shd->thd", probs, v.double()).float()  # [Tq, Hq, D]
-        torch.testing.assert_close(out[start : start + query_len], expected, atol=2e-5, rtol=1e-5)
+        expected.append(torch.einsum("hts,shd->thd", probs, v.double()).float())  # [Tq, Hq, D]
+    return _PrefillCase(q, k_cache, v_cache, tables, torch.tensor(rows), expected)
 
 
 def _check_random_mix(

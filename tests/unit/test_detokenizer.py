@@ -37,9 +37,8 @@ _texts = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    assert _GGUF_PATH is not None
-    return Tokenizer.from_gguf(_GGUF_PATH)
+def tok(embedded_tokenizer: Tokenizer) -> Tokenizer:
+    return embedded_tokenizer
 
 
 def _chunks(ids: list[int], sizes: list[int]) -> list[list[int]]:

@@ -49,16 +49,14 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    assert GGUF_DIR is not None
-    return Tokenizer.from_gguf(GGUF_DIR / _GGUF_NAME)
+def tok(embedded_tokenizer: Tokenizer) -> Tokenizer:
+    return embedded_tokenizer
 
 
 @pytest.fixture(scope="module")
-def hf_tok() -> Any:
-    transformers = pytest.importorskip("transformers")
+def hf_tok(hf_gguf: Any) -> Any:
     assert GGUF_DIR is not None
-    return transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=_GGUF_NAME)
+    return hf_gguf.tokenizer(GGUF_DIR / _GGUF_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -49,11 +49,8 @@ class Other(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def ll_tokenizer():
-    from tokenmill.model.embedded import embedded_model_path
-    from tokenmill.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(embedded_model_path())
+def ll_tokenizer(embedded_tokenizer):
+    tok = embedded_tokenizer
     return tok, llguidance.LLTokenizer(
         tok.to_json(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids)
     )
