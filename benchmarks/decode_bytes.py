@@ -1,17 +1,19 @@
 """What one decode step reads, against the file's bytes and the machine's read bandwidth, side by side in one run.
 
     python -m benchmarks.decode_bytes [--model NAME] [--variants avx512,avx2] [--arithmetics gguf-q8,gguf]
-                                      [--tokens 128] [--rounds 2]
+                                      [--layouts six-bit,byte,fp32-heads] [--tokens 128] [--rounds 2]
 
-Per kernel variant, arithmetic and layout of the 8-bit formats' codes (``six-bit``: Q6_K and the other byte-quad
-formats in six bits a code, what the loader writes; ``byte``: a byte a code, the layout before it), a fresh process
+Per kernel variant, arithmetic and layout (``six-bit``: what the loader writes, Q6_K and the other byte-quad
+formats in six bits a code; ``byte``: a byte a code; ``fp32-heads``: the loader's layout with the formats without
+super-blocks (Q4_0 ... Q8_0) keeping fp32 scales and mins per group instead of the file's fp16), a fresh process
 loads the model (its own cache folder per layout, so neither reads the other's blocks), then measures in that
 process: the read bandwidth (``model/hardware.py``'s probe, the same threads), single-stream greedy decode of
 ``--tokens`` tokens after a short chat prompt (best of 3), and a prefill of 512 tokens (best of 2; prefix caching
 off). Rounds alternate the rows, so a noisy neighbour spreads
 over all of them. Printed per row: the weights' MB a step reads (``quant.decode_read_bytes``) and their ratio to
 the file's tensors other than the token embedding, tokens/s, the bytes/s that makes, and its fraction of the
-bandwidth. (``byte`` applies only to llama.cpp's arithmetic, ``gguf-q8``: the exact path keeps a byte a code.)
+bandwidth. (``byte`` applies only to llama.cpp's arithmetic, ``gguf-q8``: the exact path's own layout is a byte a
+code, shown as ``byte``.)
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ _CHILD = r"""
 import functools, json, sys, time
 import torch
 from tokenmill.model import gguf_blocks
-if sys.argv[3] == "byte":  # the byte-a-code layouts, for the side-by-side row
+_OTHER = {"byte": {"six_bit": False}, "fp32-heads": {"fp16_heads": False}}.get(sys.argv[3])
+if _OTHER:  # another layout, for the side-by-side row
     gguf_blocks.QuantizedWeight.from_groups = functools.partial(
-        gguf_blocks.QuantizedWeight.from_groups.__func__, gguf_blocks.QuantizedWeight, six_bit=False)
+        gguf_blocks.QuantizedWeight.from_groups.__func__, gguf_blocks.QuantizedWeight, **_OTHER)
 from tokenmill import LLM, SamplingParams
 from tokenmill.cli.commands import _file_step_bytes
 from tokenmill.model import hardware
@@ -71,17 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a pulled name or a GGUF path")
     parser.add_argument("--variants", default="avx512,avx2")
     parser.add_argument("--arithmetics", default="gguf-q8,gguf")
+    parser.add_argument("--layouts", default="six-bit,byte", help="from six-bit, byte, fp32-heads")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     from tokenmill.model.registry import resolve
 
     path = str(Path(resolve(args.model)).resolve())
+    layouts = args.layouts.split(",")
+    exact_layouts = ["byte"] + [
+        name for name in layouts if name == "fp32-heads"
+    ]  # the exact path's own: a byte
     rows = [
         (variant, arithmetic, layout)
         for variant in args.variants.split(",")
         for arithmetic in args.arithmetics.split(",")
-        for layout in (("six-bit", "byte") if arithmetic == "gguf-q8" else ("byte",))
+        for layout in (layouts if arithmetic == "gguf-q8" else exact_layouts)
     ]
     print(
         f"{cpu_name()}, {os.cpu_count()} cores; {Path(path).name}; {args.tokens} tokens, best of 3 per round"
@@ -102,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                 if row not in best or result["decode_tps"] > best[row]["decode_tps"]:
                     best[row] = result
             print(f"round {round_ + 1} of {args.rounds} done", flush=True)
-    print(f"{'variant':<8} {'arithmetic':<10} {'codes':<8} {'MB/step':>8} {'x file':>7} {'tok/s':>7} "
+    print(f"{'variant':<8} {'arithmetic':<10} {'layout':<10} {'MB/step':>8} {'x file':>7} {'tok/s':>7} "
           f"{'GB/s':>6} {'probe GB/s':>10} {'of probe':>8} {'prefill 512 tok/s':>17}")  # fmt: skip
     for row in rows:
         r = best[row]
         rate = r["read_bytes"] * r["decode_tps"]
         ratio = r["read_bytes"] / r["file_bytes"] if r["file_bytes"] else float("nan")
         print(
-            f"{r['variant']:<8} {row[1]:<10} {row[2]:<8} {r['read_bytes'] / 1e6:8.1f} {ratio:7.3f} "
+            f"{r['variant']:<8} {row[1]:<10} {row[2]:<10} {r['read_bytes'] / 1e6:8.1f} {ratio:7.3f} "
             f"{r['decode_tps']:7.2f} {rate / 1e9:6.2f} {r['bandwidth'] / 1e9:10.2f} {rate / r['bandwidth']:8.1%}"
             f" {r['prefill_tps']:17.1f}"
         )

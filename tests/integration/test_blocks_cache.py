@@ -58,7 +58,8 @@ def test_second_load_maps_the_cache_and_computes_the_same(
     assert opened == [], "a cached load opened the GGUF reader"
     breakdown = weight_breakdown(second.model)
     quantized = sum(v for k, v in breakdown.items() if k.startswith(("linear", "embedding")))
-    assert quantized > 100e6 and breakdown.get("mapped", 0) >= quantized  # the blocks are the file's pages
+    assert quantized > 0.9 * path.stat().st_size  # nearly the whole file is blocks
+    assert breakdown.get("mapped", 0) >= quantized  # the blocks are the file's pages
     assert second.weight_bytes == first.weight_bytes
     assert torch.equal(_logprobs(second), expected)
 
@@ -66,12 +67,13 @@ def test_second_load_maps_the_cache_and_computes_the_same(
 @pytest.mark.slow  # 12 s: a whole rebuild of the blocks cache
 def test_a_damaged_cache_is_rebuilt(tmp_path: Path) -> None:
     path = embedded_model_path()
-    first = load_model(str(path), device="cpu", cache_dir=str(tmp_path))
-    (cache,) = tmp_path.glob("gguf-blocks-*.safetensors")
+    quantization = load_model(str(path), device="cpu", cache_dir=str(tmp_path)).quantization
+    (cache,) = tmp_path.glob("gguf-blocks-*.safetensors")  # no model maps it while it is damaged
     cache.write_bytes(b"not a safetensors file")
     with pytest.warns(UserWarning, match="ignoring unreadable GGUF cache"):
         again = load_model(str(path), device="cpu", cache_dir=str(tmp_path))
-    assert again.quantization == first.quantization and cache.stat().st_size > 100e6  # written anew
+    assert again.quantization == quantization
+    assert cache.stat().st_size > 0.9 * path.stat().st_size  # written anew: the file's blocks
 
 
 def test_a_touched_file_gets_a_new_key(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_BYTE_QUADS,
     LAYOUT_BYTE_QUADS_FACTORED,
     LAYOUT_FACTORED,
+    LAYOUT_FP16_HEAD,
     LAYOUT_INPUTS,
     LAYOUT_QUADS,
     LAYOUT_QUADS_FACTORED,
@@ -27,6 +28,7 @@ from tokenmill.model.gguf_blocks import (
     Groups,
     QuantizedWeight,
     factored,
+    fp16_head,
     group_values,
     pack_groups,
     requantize_4bit,
@@ -144,6 +146,62 @@ def test_scales_that_are_not_unit_multiples_keep_fp32_scales() -> None:
     assert int(weight.meta[0, 8]) == LAYOUT_INPUTS
 
 
+SMALL_BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("type_name", SMALL_BLOCK_TYPES)
+def test_fp16_heads_hold_the_same_weights_in_the_files_bytes(
+    kernel_variant, type_name: str, int8_activations: bool
+) -> None:
+    """The formats without super-blocks keep each group's fp16 scale (and min) in fp16 (layout flag 16) against the
+    same groups with fp32 heads: 2 bytes a field saved per row and group (Q4_1 and Q8_0 then in their file's bytes
+    exactly), the same weights, and the kernel's outputs the same bits on every path and in the row lookup."""
+    width = kernel_variant.quant_tile_rows()
+    in_features = 3 * 32 * 4  # groups of 32, K a multiple of 128
+    raw = random_blocks(type_name, 2 * width, in_features, seed=17)  # whole tiles: no padding rows
+    groups = to_groups(type_name, raw, in_features)
+    half = QuantizedWeight.from_groups([groups], width, int8_activations)
+    full = QuantizedWeight.from_groups([groups], width, int8_activations, fp16_heads=False)
+    assert int(half.meta[0, 8]) & LAYOUT_FP16_HEAD and not int(full.meta[0, 8]) & LAYOUT_FP16_HEAD
+    assert half.type_summary() == full.type_summary() and half.int8_activations == full.int8_activations
+    fields = 2 if FORMATS[type_name].has_min else 1
+    assert full.data.numel() - half.data.numel() == 2 * fields * (in_features // 32) * 2 * width
+    if type_name in ("Q4_1", "Q8_0"):
+        assert half.data.numel() == raw.nbytes
+    assert torch.equal(half.dequantize(), full.dequantize())
+    assert torch.equal(half.dequantize(), reference(type_name, raw, in_features))
+    x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(6))
+    for m in (1, 2, 3, 5, 8, 9, 40):
+        for once in (-1, 0):
+            assert torch.equal(
+                kernel_variant.quant_linear(x[:m], half.data, half.meta, expand_once_bytes=once),
+                kernel_variant.quant_linear(x[:m], full.data, full.meta, expand_once_bytes=once),
+            ), (m, once)
+    ids = torch.tensor([0, width + 4, 3, 2 * width - 1], dtype=torch.int64)
+    assert torch.equal(
+        kernel_variant.quant_rows(half.data, half.meta, ids),
+        kernel_variant.quant_rows(full.data, full.meta, ids),
+    )
+
+
+def test_scales_fp16_cannot_hold_keep_fp32_heads() -> None:
+    """A scale that is not an fp16 value (a nudged one, a requantized part's) or a Q4_0 min that overflows fp16
+    (-8 d past 65504) keeps the fp32 head: an fp16 head never changes a weight; asking for one is refused."""
+    groups = to_groups("Q4_1", random_blocks("Q4_1", 8, 64, seed=3), 64)
+    assert fp16_head(groups)
+    nudged = groups.scale.copy()
+    nudged[2, 1] = np.nextafter(nudged[2, 1], np.float32(np.inf))
+    assert not fp16_head(groups._replace(scale=nudged))
+    assert int(QuantizedWeight.from_groups([groups._replace(scale=nudged)], 8).meta[0, 8]) == LAYOUT_INPUTS
+    with pytest.raises(ValueError, match="fp16 head"):
+        pack_groups(groups._replace(scale=nudged), 8, LAYOUT_INPUTS | LAYOUT_FP16_HEAD)
+    q4_0 = to_groups("Q4_0", random_blocks("Q4_0", 8, 64, seed=4), 64)
+    big = np.full_like(q4_0.scale, 16384.0)  # an fp16 whose -8 d is not one
+    assert fp16_head(q4_0) and not fp16_head(q4_0._replace(scale=big, min=big * np.float32(-8)))
+    assert not fp16_head(to_groups("Q6_K", random_blocks("Q6_K", 8, 256, seed=5), 256))  # groups of 16
+
+
 # (x rows, out, type): the embedded model's shapes and odd ones
 KERNEL_CASES = [
     (1, 960, 576, "Q4_1"),
@@ -256,10 +314,13 @@ def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> N
     bits = 6 if fmt.bits == 8 else 4  # the 8-bit formats' codes -32..31 in six bits a code
     assert weight.int8_activations and weight.type_summary() == f"{bits}bit/g{fmt.group}/x8"
     factored = type_name.endswith("_K")  # the K-quants keep their factored scales, 4-bit ones too
+    half = 0 if factored else LAYOUT_FP16_HEAD  # the others' scales are the file's fp16 values
     if fmt.bits == 8:
-        assert weight.meta[0, 8] == (LAYOUT_SIX_BIT_QUADS_FACTORED if factored else LAYOUT_SIX_BIT_QUADS)
+        assert weight.meta[0, 8] == (
+            LAYOUT_SIX_BIT_QUADS_FACTORED if factored else LAYOUT_SIX_BIT_QUADS | half
+        )
     else:
-        assert weight.meta[0, 8] == (LAYOUT_QUADS_FACTORED if factored else LAYOUT_QUADS)
+        assert weight.meta[0, 8] == (LAYOUT_QUADS_FACTORED if factored else LAYOUT_QUADS | half)
     assert torch.equal(weight.dequantize(), expected)
     ids = torch.tensor([36, 0, 17])
     assert torch.equal(weight.dequantize(ids), expected[ids])
@@ -357,8 +418,9 @@ def test_six_bit_quads_hold_the_byte_quads_codes_in_three_quarters_of_the_bytes(
     groups = to_groups(type_name, raw, in_features)
     six = QuantizedWeight.from_groups([groups], width, int8_activations=True)
     is_factored = factored(groups)
-    assert six.meta[0, 8] == (LAYOUT_SIX_BIT_QUADS_FACTORED if is_factored else LAYOUT_SIX_BIT_QUADS)
-    byte_layout = LAYOUT_BYTE_QUADS_FACTORED if is_factored else LAYOUT_BYTE_QUADS
+    half = 0 if is_factored else LAYOUT_FP16_HEAD
+    assert six.meta[0, 8] == (LAYOUT_SIX_BIT_QUADS_FACTORED if is_factored else LAYOUT_SIX_BIT_QUADS | half)
+    byte_layout = LAYOUT_BYTE_QUADS_FACTORED if is_factored else LAYOUT_BYTE_QUADS | half
     byte_meta = six.meta.clone()
     byte_meta[0, 3], byte_meta[0, 8] = 8, byte_layout
     byte = QuantizedWeight(torch.from_numpy(pack_groups(groups, width, byte_layout)), byte_meta)

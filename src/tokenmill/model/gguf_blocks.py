@@ -40,6 +40,11 @@ and Q5_K's, six bits each, as the file keeps them: :func:`packed_multipliers`), 
 same values bit for bit: Q4_K in its file's 4.5 bits a weight instead of 6, Q6_K's scales in its file's bytes too.
 :func:`factored` checks each tensor's products are exact before it takes this layout, else it keeps layout 0.
 
+Flag 16 on layouts 0, 1, 3 and 6 (:data:`LAYOUT_FP16_HEAD`) keeps a group's scales and mins in fp16 instead of fp32:
+the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) hold each as an fp16 in the file, so with
+the flag they read the file's bytes too (Q4_1: 20 bytes a group of 32 against 24). :func:`fp16_head` checks every
+value is one (Q4_0's min is ``-8 d``, exact unless it overflows).
+
 Layout 1 (``int8_activations``, 4-bit parts only) keeps the same scales, mins and codes in another order, for
 the kernel that rounds the activations to 8 bits per group of 32 and multiplies with integer dot products
 (llama.cpp's arithmetic for these types): each group's codes in 8 quads of 4 inputs, byte j of a quad holding
@@ -95,6 +100,10 @@ _BYTE_QUAD_LAYOUTS = (
     LAYOUT_SIX_BIT_QUADS_FACTORED,
 )
 _SIX_BIT_LAYOUTS = (LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED)
+# A flag on layouts 0, 1, 3 and 6 (groups of 32): each group's scales and mins in fp16, not fp32 (the formats
+# without super-blocks keep them in fp16 in the file; an fp16 head reads the file's bytes)
+LAYOUT_FP16_HEAD = 16
+_FP16_HEAD_LAYOUTS = (LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_BYTE_QUADS, LAYOUT_SIX_BIT_QUADS)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
 
 
@@ -118,6 +127,18 @@ def _six_bit_quads(quads: np.ndarray) -> np.ndarray:
     h0, h1 = first >> 4, second >> 4
     high = h0[..., :w] | (h0[..., w:] << 2) | (h1[..., :w] << 4) | (h1[..., w:] << 6)
     return np.concatenate([low, high], axis=-1).astype(np.uint8)
+
+
+def fp16_head(groups: Groups) -> bool:
+    """Whether every scale and min of ``groups`` (groups of 32) is an fp16 value, so the head can hold them in fp16."""
+    if groups.fmt.group != 32:
+        return False
+    with np.errstate(over="ignore"):
+        return all(
+            np.array_equal(f.astype(np.float16).astype(np.float32), f)  # an inf or NaN never compares equal
+            for f in (groups.scale, groups.min)
+            if f is not None
+        )
 
 
 def takes_byte_quads(groups: Groups) -> bool:
@@ -425,17 +446,23 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         return a.reshape(num_tiles, tile_rows, *a.shape[1:])
 
     half = tile_rows // 2
+    head_dtype = np.float32
+    if layout & LAYOUT_FP16_HEAD:
+        layout &= ~LAYOUT_FP16_HEAD
+        if layout not in _FP16_HEAD_LAYOUTS or not fp16_head(groups):
+            raise ValueError(f"an fp16 head takes layouts 0, 1, 3 and 6 and fp16 scales, not layout {layout}")
+        head_dtype = np.float16
     if layout in _BYTE_QUAD_LAYOUTS and not takes_byte_quads(groups):
         raise ValueError(f"byte quads take 8-bit codes in -32..31 and K a multiple of 32, not {fmt}")
     if layout in (LAYOUT_QUADS, LAYOUT_QUADS_FACTORED) and fmt != BlockFormat(4, 32, True):
         raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
     if layout in _FACTORED_LAYOUTS:
         return _pack_factored(groups, tiles, num_tiles, layout)
-    fields = [tiles(groups.scale).transpose(0, 2, 1)]  # [tiles, G, tile_rows] float32
+    fields = [tiles(groups.scale.astype(head_dtype)).transpose(0, 2, 1)]  # [tiles, G, tile_rows]
     if fmt.has_min:
         assert groups.min is not None
-        fields.append(tiles(groups.min.astype(np.float32)).transpose(0, 2, 1))
-    heads = [np.ascontiguousarray(f).view(np.uint8) for f in fields]  # [tiles, G, 4 * tile_rows] each
+        fields.append(tiles(groups.min.astype(head_dtype)).transpose(0, 2, 1))
+    heads = [np.ascontiguousarray(f).view(np.uint8) for f in fields]  # [tiles, G, 4 or 2 * tile_rows] each
     if layout == LAYOUT_QUADS:
         codes = _nibble_quads(tiles(groups.codes))
         return np.concatenate([*heads, codes], axis=-1).reshape(-1)
@@ -584,17 +611,22 @@ class QuantizedWeight:
 
     def type_summary(self) -> str:
         return "+".join(
-            f"{b}bit/g{g}" + ("/x8" if layout in INT8_ACTIVATION_LAYOUTS else "")
+            f"{b}bit/g{g}" + ("/x8" if layout & ~LAYOUT_FP16_HEAD in INT8_ACTIVATION_LAYOUTS else "")
             for b, g, layout in self.meta[:, [3, 4, 8]].tolist()
         )
 
     @property
     def int8_activations(self) -> bool:
-        return bool(np.isin(self.meta[:, 8].numpy(), INT8_ACTIVATION_LAYOUTS).any())
+        return bool(np.isin(self.meta[:, 8].numpy() & ~LAYOUT_FP16_HEAD, INT8_ACTIVATION_LAYOUTS).any())
 
     @classmethod
     def from_groups(
-        cls, parts: list[Groups], tile_rows: int, int8_activations: bool = False, six_bit: bool = True
+        cls,
+        parts: list[Groups],
+        tile_rows: int,
+        int8_activations: bool = False,
+        six_bit: bool = True,
+        fp16_heads: bool = True,
     ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
@@ -602,7 +634,8 @@ class QuantizedWeight:
         torch path alone. ``int8_activations``: 4-bit parts in the quad layout and 8-bit ones whose codes lie in
         -32..31 in byte quads (the kernel then rounds the activations to 8 bits); other parts (Q8_0, IQ4) stay exact.
         ``six_bit``: byte quads in six bits a code (layouts 6 and 7); False keeps a byte a code (layouts 3 and 4,
-        the same weights: ``benchmarks/decode_bytes.py`` times the two side by side).
+        the same weights: ``benchmarks/decode_bytes.py`` times the two side by side). ``fp16_heads``: groups of 32
+        whose scales and mins are fp16 values keep them in fp16 (:data:`LAYOUT_FP16_HEAD`); False keeps fp32.
         """
         chunks, meta, offset, row = [], [], 0, 0
         in_features = parts[0].codes.shape[1] * parts[0].fmt.group
@@ -619,6 +652,9 @@ class QuantizedWeight:
                 )
             else:
                 layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
+            bits = 6 if layout in _SIX_BIT_LAYOUTS else g.fmt.bits
+            if fp16_heads and layout in _FP16_HEAD_LAYOUTS and fp16_head(g):
+                layout |= LAYOUT_FP16_HEAD
             packed = pack_groups(g, tile_rows, layout)
             rows = g.codes.shape[0]
             meta.append(
@@ -626,7 +662,7 @@ class QuantizedWeight:
                     offset,
                     rows,
                     in_features,
-                    6 if layout in _SIX_BIT_LAYOUTS else g.fmt.bits,
+                    bits,
                     g.fmt.group,
                     int(g.fmt.has_min),
                     row,
@@ -648,11 +684,16 @@ class QuantizedWeight:
             if layout in _FACTORED_LAYOUTS:
                 out.append(self._dequantize_factored(offset, n, k, bits, group, has_min, width, layout))
                 continue
-            head = (2 if has_min else 1) * 4 * width
+            field_dtype = torch.float16 if layout & LAYOUT_FP16_HEAD else torch.float32
+            layout &= ~LAYOUT_FP16_HEAD
+            field_bytes = field_dtype.itemsize * width
+            head = (2 if has_min else 1) * field_bytes
             group_bytes = head + group * width * bits // 8
             tiles = self.data[offset : offset + num_tiles * num_groups * group_bytes]
             tiles = tiles.view(num_tiles, num_groups, group_bytes)
-            scale = tiles[..., : 4 * width].contiguous().view(torch.float32)[:, :, None, :]  # [T, G, 1, W]
+            scale = (
+                tiles[..., :field_bytes].contiguous().view(field_dtype).float()[:, :, None, :]
+            )  # [T, G, 1, W]
             codes = tiles[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
             if layout == LAYOUT_QUADS:
                 q = _from_nibble_quads(tiles[..., head:], width)
@@ -665,7 +706,7 @@ class QuantizedWeight:
             else:
                 q = codes.contiguous().view(torch.int8).float()
             if has_min:
-                minimum = tiles[..., 4 * width : head].contiguous().view(torch.float32)[:, :, None, :]
+                minimum = tiles[..., field_bytes:head].contiguous().view(field_dtype).float()[:, :, None, :]
                 w = torch.addcmul(minimum, q, scale)
             else:
                 w = q * scale

@@ -26,6 +26,9 @@
 // layouts 6 and 7 the same in six bits a code (the meta's bits: 6);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
 // and mins as multipliers of per-super-block fp16 units (Fmt's kFactored): the same values in the file's bytes.
+// Layouts 0, 1, 3 and 6 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
+// (Fmt's kHalf): the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), whose every scale and min
+// is an fp16 in the file, read in the file's bytes too.
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
@@ -80,13 +83,15 @@ inline void prefetch_group(const uint8_t* g, int64_t bytes) {
 // (Q4_K, Q5_K: 6-bit scales and mins in the file), six bits each (kPacked: a byte of the two low nibbles per row,
 // then a byte of top bit pairs per two rows, simd::six_bit_pairs): Q4_K in its file's 4.5 bits a weight, Q6_K's
 // head in its file's 0.5625 bits.
-template <int Bits, int Group, bool kMin, bool kFactored = false>
+template <int Bits, int Group, bool kMin, bool kFactored = false, bool kHalf = false>
 struct Fmt {
+  static_assert(!(kFactored && kHalf), "a factored layout keeps its units in fp16 already");
   static constexpr int kGroup = Group;
   static constexpr int kFields = kMin ? 2 : 1;                         // scales, and mins
   static constexpr bool kPacked = kFactored && kMin && Group == 32;    // six-bit multiplier pairs
   static constexpr int64_t kMultBytes = kPacked ? kPanel + kPanel / 2 : kFields * kPanel;  // a group's multipliers
-  static constexpr int64_t kHead = kFactored ? 0 : kFields * kPanel * 4;  // per group, before its codes: fp32 fields
+  // per group, before its codes: the fields in fp32, or (kHalf: meta layout flag 16) in fp16, as the file keeps them
+  static constexpr int64_t kHead = kFactored ? 0 : kFields * kPanel * (kHalf ? 2 : 4);
   static constexpr int64_t kInputBytes = kPanel * Bits / 8;
   static constexpr int64_t kGroupBytes = kHead + Group * kInputBytes;
   static constexpr int64_t kPerSuper = kFactored ? 256 / Group : 1;  // groups per super-block
@@ -121,6 +126,10 @@ struct Fmt {
           p.m0 = mul(load_f16(u + kPanel), i8_to_float(mult + kPanel)),
           p.m1 = mul(load_f16(u + kPanel + kLanes), i8_to_float(mult + kPanel + kLanes));
       }
+    } else if constexpr (kHalf) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(group(tile, g));
+      p.s0 = load_f16(h), p.s1 = load_f16(h + kLanes);
+      if constexpr (kMin) p.m0 = load_f16(h + kPanel), p.m1 = load_f16(h + kPanel + kLanes);
     } else {
       const float* f = reinterpret_cast<const float*>(group(tile, g));
       p.s0 = load(f), p.s1 = load(f + kLanes);
@@ -187,6 +196,10 @@ struct Fmt {
       }
       scale = c10::detail::fp16_ieee_to_fp32_value(u[r]) * sm;
       if (kMin) minimum = c10::detail::fp16_ieee_to_fp32_value(u[kPanel + r]) * mm;
+    } else if constexpr (kHalf) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(group(tile, g));
+      scale = c10::detail::fp16_ieee_to_fp32_value(h[r]);
+      if (kMin) minimum = c10::detail::fp16_ieee_to_fp32_value(h[kPanel + r]);
     } else {
       const float* f = reinterpret_cast<const float*>(group(tile, g));
       scale = f[r];
@@ -382,6 +395,9 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
     for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile, g, d, row);
 }
 
+// Meta's layout column: this flag on layouts 0, 1, 3 and 6 keeps each group's scales and mins in fp16 (Fmt's kHalf).
+constexpr int64_t kLayoutFp16Head = 16;
+
 // Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
 constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
 
@@ -390,9 +406,9 @@ constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
 // units, Q4_K's 4.5 bits a weight instead of 6), then 8 quads of 4 consecutive inputs, each 2 * kPanel bytes: byte j holds tile row j / 4
 // (low nibble) and row kPanel / 2 + j / 4 (high nibble) at input 4u + j % 4. One load and two masks give simd::qdot
 // its operands.
-template <bool kFactored>
-struct Q4QuadT : Fmt<4, 32, true, kFactored> {
-  using Base = Fmt<4, 32, true, kFactored>;
+template <bool kFactored, bool kHalf = false>
+struct Q4QuadT : Fmt<4, 32, true, kFactored, kHalf> {
+  using Base = Fmt<4, 32, true, kFactored, kHalf>;
   static constexpr int kNumQuads = 8;
   static constexpr int32_t kBias = 0;  // codes stored as they are
   static constexpr int64_t kQuadBytes = 2 * kPanel;
@@ -422,10 +438,10 @@ using Q4Quad = Q4QuadT<false>;
 // kCodeBits 6 (meta layouts 6 and 7, what the loader writes): the same quads in six bits a code, 3 * kPanel bytes
 // each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): with layout 2's head (layout 7), Q6_K in
 // its file's 6.5625 bits a weight instead of 8.6, the same codes, the same sums.
-template <int Group, bool kMin, bool kFactored, int kCodeBits = 8>
-struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored> {
+template <int Group, bool kMin, bool kFactored, int kCodeBits = 8, bool kHalfHead = false>
+struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalfHead> {
   static_assert(kCodeBits == 8 || kCodeBits == 6, "byte quads are 8 or 6 bits a code");
-  using Base = Fmt<kCodeBits, Group, kMin, kFactored>;
+  using Base = Fmt<kCodeBits, Group, kMin, kFactored, kHalfHead>;
   static constexpr int kNumQuads = Group / 4;
   static constexpr int32_t kBias = 32;
   static constexpr int64_t kQuadBytes = kCodeBits * kPanel / 2;
@@ -610,8 +626,9 @@ struct QuantMatrix {
   }
 };
 
+// half: the fp16 head (groups of 32 only: the formats without super-blocks, Q4_0 ... Q8_0, IQ4_NL).
 template <int Bits, int Group, bool kMin>
-inline void set_format(QuantPart& p, bool factored) {
+inline void set_format(QuantPart& p, bool factored, bool half) {
   auto set = [&](auto fmt) {
     using F = decltype(fmt);
     p.tile_rows = &tile_rows<F>;
@@ -622,21 +639,25 @@ inline void set_format(QuantPart& p, bool factored) {
   };
   if (factored)
     set(Fmt<Bits, Group, kMin, true>{});
+  else if constexpr (Group == 32)
+    half ? set(Fmt<Bits, Group, kMin, false, true>{}) : set(Fmt<Bits, Group, kMin, false>{});
   else
     set(Fmt<Bits, Group, kMin, false>{});
 }
 
-template <int Group, bool kMin, bool kFactored, int kCodeBits>
+template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false>
 inline void set_byte_quad(QuantPart& p) {
-  using F = ByteQuad<Group, kMin, kFactored, kCodeBits>;
+  using F = ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf>;
   p.q8_rows = &q8_rows<F>;
   p.tile_weights = &tile_weights<F>;
   p.tile_bytes = F::tile_bytes(p.num_groups);
 }
 
 template <int kCodeBits>
-inline void set_byte_quads(QuantPart& p, int64_t group, bool has_min, bool factored) {
-  if (group == 16)
+inline void set_byte_quads(QuantPart& p, int64_t group, bool has_min, bool factored, bool half) {
+  if (half)  // groups of 32 (parse_quant_matrix checks)
+    has_min ? set_byte_quad<32, true, false, kCodeBits, true>(p) : set_byte_quad<32, false, false, kCodeBits, true>(p);
+  else if (group == 16)
     has_min ? (factored ? set_byte_quad<16, true, true, kCodeBits>(p) : set_byte_quad<16, true, false, kCodeBits>(p))
             : (factored ? set_byte_quad<16, false, true, kCodeBits>(p) : set_byte_quad<16, false, false, kCodeBits>(p));
   else
@@ -656,7 +677,8 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
   q.first_tile.push_back(0);
   for (int64_t i = 0; i < mt.size(0); ++i, m += 9) {
     const int64_t offset = m[0], rows = m[1], k = m[2], bits = m[3], group = m[4], has_min = m[5], col = m[6];
-    const int64_t layout = m[8];
+    const bool half = (m[8] & kLayoutFp16Head) != 0;
+    const int64_t layout = m[8] & ~kLayoutFp16Head;
     TORCH_CHECK(m[7] == kPanel, "part ", i, " was packed in tiles of ", m[7], " rows; this kernel build takes ",
                 kPanel, " (pack with the loaded variant's panel_width)");
     TORCH_CHECK(rows > 0 && k > 0 && group > 0 && k % group == 0, "part ", i, ": rows and K a multiple of group");
@@ -679,12 +701,18 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
                 " factored as 2; 6, 7: layouts 3 and 4 in six bits a code)");
     TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i, ": byte quads take ",
                 six_bit ? "6" : "8", "-bit groups of 16 or 32, K a multiple of 32");
+    TORCH_CHECK(!half || ((layout == 0 || layout == 1 || layout == 3 || layout == 6) && group == 32), "part ", i,
+                ": an fp16 head (layout flag ", kLayoutFp16Head, ") takes layouts 0, 1, 3 and 6, groups of 32");
     if (nibble_quads) {
       q.has_q8 = true;
       if (factored) {
         p.q8_rows = &q8_rows<Q4QuadT<true>>;
         p.tile_weights = &tile_weights<Q4QuadT<true>>;
         p.tile_bytes = Q4QuadT<true>::tile_bytes(p.num_groups);
+      } else if (half) {
+        p.q8_rows = &q8_rows<Q4QuadT<false, true>>;
+        p.tile_weights = &tile_weights<Q4QuadT<false, true>>;
+        p.tile_bytes = Q4QuadT<false, true>::tile_bytes(p.num_groups);
       } else {
         p.q8_rows = &q8_rows<Q4Quad>;
         p.tile_weights = &tile_weights<Q4Quad>;
@@ -692,17 +720,18 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
       }
     } else if (byte_quads) {
       q.has_q8 = true;
-      six_bit ? set_byte_quads<6>(p, group, has_min, factored) : set_byte_quads<8>(p, group, has_min, factored);
+      six_bit ? set_byte_quads<6>(p, group, has_min, factored, half)
+              : set_byte_quads<8>(p, group, has_min, factored, half);
     } else if (bits == 4 && group == 32 && has_min)
-      set_format<4, 32, true>(p, factored);
+      set_format<4, 32, true>(p, factored, half);
     else if (bits == 8 && group == 32 && !has_min)
-      set_format<8, 32, false>(p, factored);
+      set_format<8, 32, false>(p, factored, half);
     else if (bits == 8 && group == 32 && has_min)
-      set_format<8, 32, true>(p, factored);
+      set_format<8, 32, true>(p, factored, half);
     else if (bits == 8 && group == 16 && !has_min)
-      set_format<8, 16, false>(p, factored);
+      set_format<8, 16, false>(p, factored, half);
     else if (bits == 8 && group == 16 && has_min)
-      set_format<8, 16, true>(p, factored);
+      set_format<8, 16, true>(p, factored, half);
     else
       TORCH_CHECK(false, "part ", i, ": no block format with bits ", bits, ", group ", group, ", min ", has_min);
     TORCH_CHECK(offset >= 0 && offset + p.num_tiles * p.tile_bytes <= data.numel(), "part ", i,
