@@ -108,18 +108,21 @@ def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, t
     assert plain.data.numel() - small.data.numel() == saved
     assert torch.equal(small.dequantize(), plain.dequantize())
     assert torch.equal(small.dequantize(), reference(type_name, raw, in_features))
-    x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(5))
+    assert_same_outputs(kernel_variant, small, plain, seed=5, ids=[0, width + 4, 3, width])
+
+
+def assert_same_outputs(kernel, a: QuantizedWeight, b: QuantizedWeight, seed: int, ids: list[int]) -> None:
+    """Two layouts of the same weights give the same bits: one row, a few rows in registers, an expanded panel
+    (both per-call paths), and the row lookup of ``ids``."""
+    x = torch.randn(40, a.in_features, generator=torch.Generator().manual_seed(seed))
     for m in (1, 2, 3, 5, 8, 9, 40):
         for once in (-1, 0):
             assert torch.equal(
-                kernel_variant.quant_linear(x[:m], small.data, small.meta, expand_once_bytes=once),
-                kernel_variant.quant_linear(x[:m], plain.data, plain.meta, expand_once_bytes=once),
+                kernel.quant_linear(x[:m], a.data, a.meta, expand_once_bytes=once),
+                kernel.quant_linear(x[:m], b.data, b.meta, expand_once_bytes=once),
             ), (m, once)
-    ids = torch.tensor([0, width + 4, 3, width], dtype=torch.int64)
-    assert torch.equal(
-        kernel_variant.quant_rows(small.data, small.meta, ids),
-        kernel_variant.quant_rows(plain.data, plain.meta, ids),
-    )
+    rows = torch.tensor(ids, dtype=torch.int64)
+    assert torch.equal(kernel.quant_rows(a.data, a.meta, rows), kernel.quant_rows(b.data, b.meta, rows))
 
 
 def test_scales_that_are_not_unit_multiples_keep_fp32_scales() -> None:
@@ -171,18 +174,7 @@ def test_fp16_heads_hold_the_same_weights_in_the_files_bytes(
         assert half.data.numel() == raw.nbytes
     assert torch.equal(half.dequantize(), full.dequantize())
     assert torch.equal(half.dequantize(), reference(type_name, raw, in_features))
-    x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(6))
-    for m in (1, 2, 3, 5, 8, 9, 40):
-        for once in (-1, 0):
-            assert torch.equal(
-                kernel_variant.quant_linear(x[:m], half.data, half.meta, expand_once_bytes=once),
-                kernel_variant.quant_linear(x[:m], full.data, full.meta, expand_once_bytes=once),
-            ), (m, once)
-    ids = torch.tensor([0, width + 4, 3, 2 * width - 1], dtype=torch.int64)
-    assert torch.equal(
-        kernel_variant.quant_rows(half.data, half.meta, ids),
-        kernel_variant.quant_rows(full.data, full.meta, ids),
-    )
+    assert_same_outputs(kernel_variant, half, full, seed=6, ids=[0, width + 4, 3, 2 * width - 1])
 
 
 def test_scales_fp16_cannot_hold_keep_fp32_heads() -> None:
