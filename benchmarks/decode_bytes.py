@@ -1,10 +1,11 @@
 """What one decode step reads, against the file's bytes and the machine's read bandwidth, side by side in one run.
 
     python -m benchmarks.decode_bytes [--model NAME] [--variants avx512,avx2] [--arithmetics gguf-q8,gguf]
-                                      [--layouts six-bit,byte,fp32-heads] [--tokens 128] [--rounds 2]
+                                      [--layouts narrow,six-bit,byte,fp32-heads] [--tokens 128] [--rounds 2]
 
-Per kernel variant, arithmetic and layout (``six-bit``: what the loader writes, Q6_K and the other byte-quad
-formats in six bits a code; ``byte``: a byte a code; ``fp32-heads``: the loader's layout with the formats without
+Per kernel variant, arithmetic and layout (``narrow``: what the loader writes, the byte-quad formats in five bits a
+code where their codes fit, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, Q6_K in six; ``six-bit``: all of them in six; ``byte``: a
+byte a code; ``fp32-heads``: the loader's layout with the formats without
 super-blocks (Q4_0 ... Q8_0) keeping fp32 scales and mins per group instead of the file's fp16), a fresh process
 loads the model (its own cache folder per layout, so neither reads the other's blocks), then measures in that
 process: the read bandwidth (``model/hardware.py``'s probe, the same threads), single-stream greedy decode of
@@ -34,7 +35,7 @@ _CHILD = r"""
 import functools, json, sys, time
 import torch
 from tokenmill.model import gguf_blocks
-_OTHER = {"byte": {"six_bit": False}, "fp32-heads": {"fp16_heads": False}}.get(sys.argv[3])
+_OTHER = {"six-bit": {"quad_bits": 6}, "byte": {"quad_bits": 8}, "fp32-heads": {"fp16_heads": False}}.get(sys.argv[3])
 if _OTHER:  # another layout, for the side-by-side row
     gguf_blocks.QuantizedWeight.from_groups = functools.partial(
         gguf_blocks.QuantizedWeight.from_groups.__func__, gguf_blocks.QuantizedWeight, **_OTHER)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a pulled name or a GGUF path")
     parser.add_argument("--variants", default="avx512,avx2")
     parser.add_argument("--arithmetics", default="gguf-q8,gguf")
-    parser.add_argument("--layouts", default="six-bit,byte", help="from six-bit, byte, fp32-heads")
+    parser.add_argument("--layouts", default="narrow,byte", help="from narrow, six-bit, byte, fp32-heads")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)

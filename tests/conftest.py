@@ -65,6 +65,7 @@ class HFFromGGUF:
 
     def __init__(self) -> None:
         self._readers: dict[tuple[str, int, int, str], object] = {}
+        self._name_map: Any = None  # the gguf package's get_tensor_name_map, memoized
 
     @contextlib.contextmanager
     def shared_parsing(self) -> Iterator[None]:
@@ -80,7 +81,9 @@ class HFFromGGUF:
             return self._readers[key]
 
         gguf.GGUFReader = reader  # type: ignore[assignment,misc]
-        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_name_map)  # type: ignore[assignment]
+        if self._name_map is None:  # one cache a session: the map depends on the architecture and depth alone
+            self._name_map = functools.lru_cache(maxsize=None)(real_name_map)
+        gguf.get_tensor_name_map = self._name_map  # type: ignore[assignment]
         try:
             yield
         finally:

@@ -18,6 +18,8 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_BYTE_QUADS,
     LAYOUT_BYTE_QUADS_FACTORED,
     LAYOUT_FACTORED,
+    LAYOUT_FIVE_BIT_QUADS,
+    LAYOUT_FIVE_BIT_QUADS_FACTORED,
     LAYOUT_FP16_HEAD,
     LAYOUT_INPUTS,
     LAYOUT_QUADS,
@@ -275,6 +277,7 @@ def test_unsupported_type_is_a_value_error() -> None:
 # codes lie in -32..31 in byte quads ---------------------------------------------------------------------------
 
 BYTE_QUAD_TYPES = ["Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"]
+QUAD_CODE_BITS = {"Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 5, "Q2_K": 5}  # what the loader writes
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -303,13 +306,17 @@ def quad_weight(type_name: str, rows: int, in_features: int, seed: int, tile_row
 def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> None:
     weight, expected = quad_weight(type_name, 37, 2 * _k(type_name), seed=tile_rows, tile_rows=tile_rows)
     fmt = FORMATS[type_name]
-    bits = 6 if fmt.bits == 8 else 4  # the 8-bit formats' codes -32..31 in six bits a code
+    bits = QUAD_CODE_BITS.get(type_name, 4)  # the 8-bit formats' codes in five or six bits a code
     assert weight.int8_activations and weight.type_summary() == f"{bits}bit/g{fmt.group}/x8"
     factored = type_name.endswith("_K")  # the K-quants keep their factored scales, 4-bit ones too
     half = 0 if factored else LAYOUT_FP16_HEAD  # the others' scales are the file's fp16 values
-    if fmt.bits == 8:
+    if bits == 6:
         assert weight.meta[0, 8] == (
             LAYOUT_SIX_BIT_QUADS_FACTORED if factored else LAYOUT_SIX_BIT_QUADS | half
+        )
+    elif bits == 5:
+        assert weight.meta[0, 8] == (
+            LAYOUT_FIVE_BIT_QUADS_FACTORED if factored else LAYOUT_FIVE_BIT_QUADS | half
         )
     else:
         assert weight.meta[0, 8] == (LAYOUT_QUADS_FACTORED if factored else LAYOUT_QUADS | half)
@@ -387,10 +394,16 @@ def test_factored_quads_hold_a_k_quant_in_fewer_bytes_and_compute_the_same(kerne
 
 
 @pytest.mark.parametrize("width", [8, 16, 32])
-@pytest.mark.parametrize(("type_name", "int8_activations"), [("Q4_K", True), ("Q6_K", True), ("Q4_K", False)])
-def test_q4_k_and_q6_k_keep_their_files_bytes(type_name: str, int8_activations: bool, width: int) -> None:
-    """Q4_K_M's two types as a decode step reads them, on llama.cpp's arithmetic (and Q4_K on the exact one): the
-    same number of bytes as the file's blocks (the file's 4.5 and 6.5625 bits a weight), and the same weights."""
+@pytest.mark.parametrize(
+    ("type_name", "int8_activations"),
+    [("Q4_K", True), ("Q6_K", True), ("Q4_K", False), ("Q5_0", True), ("Q5_1", True), ("Q5_K", True)],
+)
+def test_k_quants_and_five_bit_types_keep_their_files_bytes(
+    type_name: str, int8_activations: bool, width: int
+) -> None:
+    """Q4_K_M's types as a decode step reads them, on llama.cpp's arithmetic (and Q4_K on the exact one): the same
+    number of bytes as the file's blocks (Q4_K's 4.5 bits a weight, Q6_K's 6.5625; Q5_0's 5.5, Q5_1's 6 and
+    Q5_K's 5.5, where a file's rows do not fit Q4_K or Q6_K), and the same weights."""
     raw = random_blocks(type_name, 2 * width, 512, seed=width)
     weight = QuantizedWeight.from_groups([to_groups(type_name, raw, 512)], width, int8_activations)
     assert weight.data.numel() == raw.nbytes
@@ -398,38 +411,47 @@ def test_q4_k_and_q6_k_keep_their_files_bytes(type_name: str, int8_activations: 
 
 
 @pytest.mark.parametrize("type_name", BYTE_QUAD_TYPES)
-def test_six_bit_quads_hold_the_byte_quads_codes_in_three_quarters_of_the_bytes(
-    kernel_variant, type_name
-) -> None:
-    """Every byte-quad format in six bits a code (layouts 6 and 7, what the loader writes) against the same groups
-    as byte quads (layouts 3 and 4): the same weights, the same outputs bit for bit on every row count and in the
-    lookup, in 3/4 of the code bytes (Q6_K: within 1.01x of its file's 6.5625 bits a weight)."""
+def test_narrow_quads_hold_the_byte_quads_codes_in_five_or_six_bits(kernel_variant, type_name) -> None:
+    """Every byte-quad format as the loader writes it (five bits a code where the codes fit: layouts 8 and 9; else
+    six: layouts 6 and 7), in six bits (``quad_bits=6``) and as byte quads (layouts 3 and 4): the same weights, the
+    same outputs bit for bit on every row count and in the lookup, in 5/8 or 3/4 of the code bytes (Q6_K within
+    1.01x of its file's 6.5625 bits a weight)."""
     width = kernel_variant.quant_tile_rows()
     in_features = 1024
     raw = random_blocks(type_name, 2 * width + 5, in_features, 13)  # a partial tile too
     groups = to_groups(type_name, raw, in_features)
-    six = QuantizedWeight.from_groups([groups], width, int8_activations=True)
+    narrow = QuantizedWeight.from_groups([groups], width, int8_activations=True)
+    six = QuantizedWeight.from_groups([groups], width, int8_activations=True, quad_bits=6)
+    bits = QUAD_CODE_BITS[type_name]
     is_factored = factored(groups)
     half = 0 if is_factored else LAYOUT_FP16_HEAD
-    assert six.meta[0, 8] == (LAYOUT_SIX_BIT_QUADS_FACTORED if is_factored else LAYOUT_SIX_BIT_QUADS | half)
+    six_layout = LAYOUT_SIX_BIT_QUADS_FACTORED if is_factored else LAYOUT_SIX_BIT_QUADS | half
+    five_layout = LAYOUT_FIVE_BIT_QUADS_FACTORED if is_factored else LAYOUT_FIVE_BIT_QUADS | half
+    assert narrow.meta[0, 8] == (five_layout if bits == 5 else six_layout) and six.meta[0, 8] == six_layout
+    assert narrow.meta[0, 3] == bits and six.meta[0, 3] == 6
     byte_layout = LAYOUT_BYTE_QUADS_FACTORED if is_factored else LAYOUT_BYTE_QUADS | half
-    byte_meta = six.meta.clone()
+    byte_meta = narrow.meta.clone()
     byte_meta[0, 3], byte_meta[0, 8] = 8, byte_layout
     byte = QuantizedWeight(torch.from_numpy(pack_groups(groups, width, byte_layout)), byte_meta)
+    assert torch.equal(
+        QuantizedWeight.from_groups([groups], width, int8_activations=True, quad_bits=8).data, byte.data
+    )
     num_tiles = -(-groups.codes.shape[0] // width)
-    heads = byte.data.numel() - num_tiles * width * in_features  # scales, mins, units: the same in both
-    assert six.data.numel() - heads == num_tiles * width * in_features * 3 // 4
+    codes = num_tiles * width * in_features
+    heads = byte.data.numel() - codes  # scales, mins, units: the same in every layout
+    assert narrow.data.numel() - heads == codes * bits // 8 and six.data.numel() - heads == codes * 3 // 4
     if type_name == "Q6_K":
-        assert six.data.numel() * 8 / (num_tiles * width * in_features) <= 6.5625 * 1.01
+        assert narrow.data.numel() * 8 / codes <= 6.5625 * 1.01
     expected = reference(type_name, raw, in_features)
-    assert torch.equal(six.dequantize(), expected) and torch.equal(byte.dequantize(), expected)
+    for weight in (narrow, six, byte):
+        assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(4))
-    for rows in (1, 2, 3, 5, 6, 7, 13, 64, 300):
-        a = kernel_variant.quant_linear(x[:rows], six.data, six.meta)
-        b = kernel_variant.quant_linear(x[:rows], byte.data, byte.meta)
-        assert torch.equal(a, b), rows
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 300):
+        a = kernel_variant.quant_linear(x[:rows], narrow.data, narrow.meta)
+        assert torch.equal(a, kernel_variant.quant_linear(x[:rows], byte.data, byte.meta)), rows
+        assert torch.equal(a, kernel_variant.quant_linear(x[:rows], six.data, six.meta)), rows
     ids = torch.tensor([0, width - 1, width, 2 * width + 4])
-    assert torch.equal(kernel_variant.quant_rows(six.data, six.meta, ids), expected[ids])
+    assert torch.equal(kernel_variant.quant_rows(narrow.data, narrow.meta, ids), expected[ids])
 
 
 @pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 576), ("Q6_K", 512), ("Q5_0", 576)])
@@ -489,6 +511,32 @@ def test_byte_quads_extreme_codes_and_activations(kernel_variant, group: int, si
     assert out[0, 0].item() == pytest.approx(sign * 0.5 * 31 * in_features, rel=1e-6)
 
 
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("has_min", [False, True])
+def test_five_bit_quads_extreme_codes_and_activations(kernel_variant, group: int, has_min: bool) -> None:
+    """Five-bit codes at their ends (-16 and 15 without a min, biased by 16; 0 and 31 with one) times activations
+    at +-127: every fifth bit set and clear in every position of a quad, the sums exact integers."""
+    fmt = BlockFormat(8, group, has_min)
+    rows, in_features = 4, 256
+    low, high = (0, 31) if has_min else (-16, 15)
+    codes = np.empty((rows, in_features // group, group), np.int8)
+    codes[0], codes[1] = high, low
+    codes[2] = np.where(np.arange(group) % 2 == 0, high, low)
+    codes[3] = np.where(np.arange(group) % 3 == 0, low, high)
+    scale = np.full((rows, in_features // group), 0.5, np.float32)
+    minimum = np.full_like(scale, -0.25) if has_min else None
+    groups = Groups(fmt, codes.view(np.uint8), scale, minimum)
+    weight = QuantizedWeight.from_groups([groups], kernel_variant.quant_tile_rows(), int8_activations=True)
+    assert weight.type_summary() == f"5bit/g{group}/x8"
+    for sign in (1, -1):
+        x = torch.full((2, in_features), float(sign))  # codes +-127, s = 1 / 127
+        x[1, 1::2] = -sign
+        out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()
+        expected = round_activations(x) @ weight.dequantize().double().T
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        assert out[0, 0].item() == pytest.approx(sign * (0.5 * high - (0.25 if has_min else 0)) * in_features)
+
+
 def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
     weight, _ = quantized("Q8_0", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
     bad = weight.meta.clone()
@@ -507,14 +555,29 @@ def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
         LAYOUT_BYTE_QUADS_FACTORED,
         LAYOUT_SIX_BIT_QUADS,
         LAYOUT_SIX_BIT_QUADS_FACTORED,
+        LAYOUT_FIVE_BIT_QUADS,
+        LAYOUT_FIVE_BIT_QUADS_FACTORED,
     ):
         with pytest.raises(ValueError, match="byte quads"):
             pack_groups(groups, 8, layout)
+    # five bits: Q6_K's codes -32..31 do not fit them
+    q6 = to_groups("Q6_K", random_blocks("Q6_K", 8, 256, 0), 256)
+    for layout in (LAYOUT_FIVE_BIT_QUADS, LAYOUT_FIVE_BIT_QUADS_FACTORED):
+        with pytest.raises(ValueError, match="five-bit quads"):
+            pack_groups(q6, 8, layout)
+    with pytest.raises(ValueError, match="5, 6 or 8 bits"):
+        QuantizedWeight.from_groups([q6], 8, int8_activations=True, quad_bits=4)
     q4, _ = quantized("Q4_1", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
-    bad = q4.meta.clone()
-    bad[0, 8] = LAYOUT_BYTE_QUADS
-    with pytest.raises(RuntimeError, match="byte quads"):
-        kernel_variant.quant_linear(torch.randn(1, 64), q4.data, bad)
+    for layout in (LAYOUT_BYTE_QUADS, LAYOUT_FIVE_BIT_QUADS):
+        bad = q4.meta.clone()
+        bad[0, 8] = layout
+        with pytest.raises(RuntimeError, match="byte quads"):
+            kernel_variant.quant_linear(torch.randn(1, 64), q4.data, bad)
+    q5, _ = quad_weight("Q5_0", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
+    bad = q5.meta.clone()
+    bad[0, 3] = 6  # five-bit quads whose meta says six bits a code
+    with pytest.raises(RuntimeError, match="byte quads take 5-bit"):
+        kernel_variant.quant_linear(torch.randn(1, 64), q5.data, bad)
 
 
 def _min_max_4bit(values: np.ndarray) -> np.ndarray:

@@ -222,15 +222,15 @@ def test_gguf_q4_rounds_every_type_to_4_bits(kernel_variant, tmp_path: Path) -> 
     layer = q4.model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+4bit/g32/x8"
     assert layer.mlp.gate_up_proj.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8"
-    # the head's Q6_K blocks as they are (byte quads: the same weights, times 8-bit activations)
+    # the head's Q2_K blocks as they are (five-bit quads: the same weights, times 8-bit activations)
     assert exact.model.lm_head.weight.type_summary() == "8bit/g16"
-    assert q4.model.lm_head.weight.type_summary() == "6bit/g16/x8"
+    assert q4.model.lm_head.weight.type_summary() == "5bit/g16/x8"
     assert torch.equal(q4.model.lm_head.weight.dequantize(), exact.model.lm_head.weight.dequantize())
     embed, exact_embed = q4.model.model.embed_tokens, exact.model.model.embed_tokens
     table = QuantizedWeight(embed.data, embed.meta)
     assert (
-        table.type_summary() == "6bit/g32/x8"
-    )  # the file's Q5_0 table in six-bit quads, looked up as it was
+        table.type_summary() == "5bit/g32/x8"
+    )  # the file's Q5_0 table in five-bit quads, looked up as it was
     assert torch.equal(table.dequantize(), QuantizedWeight(exact_embed.data, exact_embed.meta).dequantize())
     assert q4.weight_bytes < exact.weight_bytes
     a, b = prefill_then_decode(q4, PROMPTS, 0)[0], prefill_then_decode(exact, PROMPTS, 0)[0]

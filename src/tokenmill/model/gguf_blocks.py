@@ -60,9 +60,12 @@ Q2_K) are layout 0 and layout 2 with each group's codes reordered for the same k
 integer dot product; the kernel takes 32 times the activations' sum back). Same bytes, same weights.
 
 Layouts 6 and 7 are layouts 3 and 4 in six bits a code (every biased code is 0..63): per quad a plane of low
-nibbles and a plane of top bit pairs (:func:`_six_bit_quads`), 3 bytes per 4 codes. These are what the loader
-writes for ``int8_activations``: Q6_K in its file's 6.5625 bits a weight (layout 7) instead of 8.6, which is what a
-decode step reads of it.
+nibbles and a plane of top bit pairs (:func:`_six_bit_quads`), 3 bytes per 4 codes: Q6_K in its file's 6.5625 bits
+a weight (layout 7) instead of 8.6, which is what a decode step reads of it. Layouts 8 and 9 are the same in five
+bits a code, for the formats whose codes fit (Q5_0, Q5_1, Q5_K, Q3_K, Q2_K; biased by :func:`five_bit_bias`
+instead): the plane of low nibbles and a plane of fifth bits (:func:`_five_bit_quads`), 5 bytes per 8 codes, so Q5_0
+and Q5_1 (with an fp16 head) and Q5_K read their file's 5.5, 6 and 5.5 bits a weight. For ``int8_activations`` the
+loader writes the narrowest: five bits where the codes fit, else six.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_FACTORED = 0, 1, 2  # meta column 8
 LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED = 3, 4  # 8-bit codes in quads: layout 0's, layout 2's
 LAYOUT_QUADS_FACTORED = 5  # 4-bit codes in quads (layout 1's) with layout 2's units and multipliers
 LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED = 6, 7  # layouts 3 and 4 in six bits a code
+LAYOUT_FIVE_BIT_QUADS, LAYOUT_FIVE_BIT_QUADS_FACTORED = 8, 9  # layouts 3 and 4 in five bits a code
 INT8_ACTIVATION_LAYOUTS = (
     LAYOUT_QUADS,
     LAYOUT_BYTE_QUADS,
@@ -86,25 +90,36 @@ INT8_ACTIVATION_LAYOUTS = (
     LAYOUT_QUADS_FACTORED,
     LAYOUT_SIX_BIT_QUADS,
     LAYOUT_SIX_BIT_QUADS_FACTORED,
+    LAYOUT_FIVE_BIT_QUADS,
+    LAYOUT_FIVE_BIT_QUADS_FACTORED,
 )
 _FACTORED_LAYOUTS = (
     LAYOUT_FACTORED,
     LAYOUT_BYTE_QUADS_FACTORED,
     LAYOUT_QUADS_FACTORED,
     LAYOUT_SIX_BIT_QUADS_FACTORED,
-)
-_BYTE_QUAD_LAYOUTS = (
-    LAYOUT_BYTE_QUADS,
-    LAYOUT_BYTE_QUADS_FACTORED,
-    LAYOUT_SIX_BIT_QUADS,
-    LAYOUT_SIX_BIT_QUADS_FACTORED,
+    LAYOUT_FIVE_BIT_QUADS_FACTORED,
 )
 _SIX_BIT_LAYOUTS = (LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED)
-# A flag on layouts 0, 1, 3 and 6 (groups of 32): each group's scales and mins in fp16, not fp32 (the formats
+_FIVE_BIT_LAYOUTS = (LAYOUT_FIVE_BIT_QUADS, LAYOUT_FIVE_BIT_QUADS_FACTORED)
+_BYTE_QUAD_LAYOUTS = (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED, *_SIX_BIT_LAYOUTS, *_FIVE_BIT_LAYOUTS)
+# A flag on layouts 0, 1, 3, 6 and 8 (groups of 32): each group's scales and mins in fp16, not fp32 (the formats
 # without super-blocks keep them in fp16 in the file; an fp16 head reads the file's bytes)
 LAYOUT_FP16_HEAD = 16
-_FP16_HEAD_LAYOUTS = (LAYOUT_INPUTS, LAYOUT_QUADS, LAYOUT_BYTE_QUADS, LAYOUT_SIX_BIT_QUADS)
+_FP16_HEAD_LAYOUTS = (
+    LAYOUT_INPUTS,
+    LAYOUT_QUADS,
+    LAYOUT_BYTE_QUADS,
+    LAYOUT_SIX_BIT_QUADS,
+    LAYOUT_FIVE_BIT_QUADS,
+)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
+
+
+def five_bit_bias(fmt: BlockFormat) -> int:
+    """What five-bit quads add to a format's codes: 16 to signed ones (no min: Q5_0's -16..15, Q3_K's -4..3), 0 to
+    unsigned ones (a min: Q5_1's, Q5_K's 0..31, Q2_K's 0..3)."""
+    return 0 if fmt.has_min else 16
 
 
 def _byte_quads(codes: np.ndarray) -> np.ndarray:
@@ -113,6 +128,21 @@ def _byte_quads(codes: np.ndarray) -> np.ndarray:
     t, g, group, w = codes.shape
     quads = codes.reshape(t, g, group // 4, 4, w).transpose(0, 1, 2, 4, 3)  # [T, G, quad, W, input]
     return (quads.view(np.int8).astype(np.int16) + BYTE_QUAD_BIAS).astype(np.uint8)
+
+
+def _five_bit_quads(quads: np.ndarray, bias: int) -> np.ndarray:
+    """Byte quads ``[T, G, quads, W, 4]`` -> five-bit quads ``[T, G, quads, 5 W / 2]``, the codes biased by ``bias``
+    instead of :data:`BYTE_QUAD_BIAS` (0..31): the plane of low nibbles as :func:`_six_bit_quads` keeps it, then a plane
+    of fifth bits, ``W / 2`` bytes, byte j: bit c the first vector's byte j + c W / 2, bit 4 + c the second's (c < 4),
+    as ``simd::five_bit_quad`` reads them."""
+    t, g, num_quads, w, _ = quads.shape
+    b = (quads.astype(np.int16) - BYTE_QUAD_BIAS + bias).astype(np.uint8).reshape(t, g, num_quads, 4 * w)
+    first, second = b[..., : 2 * w], b[..., 2 * w :]
+    low = (first & 15) | ((second & 15) << 4)
+    chunks = [(v >> 4).reshape(t, g, num_quads, 4, w // 2) for v in (first, second)]  # [.., c, W / 2] each
+    shifts = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    high = np.bitwise_or.reduce((chunks[0] << shifts) | (chunks[1] << (shifts + 4)), axis=3)
+    return np.concatenate([low, high], axis=-1).astype(np.uint8)
 
 
 def _six_bit_quads(quads: np.ndarray) -> np.ndarray:
@@ -139,6 +169,13 @@ def fp16_head(groups: Groups) -> bool:
             for f in (groups.scale, groups.min)
             if f is not None
         )
+
+
+def takes_five_bits(groups: Groups) -> bool:
+    """Whether a byte-quad part's codes fit five bits with :func:`five_bit_bias`: Q5_0, Q5_1, Q5_K, Q3_K, Q2_K (not
+    Q6_K)."""
+    codes = groups.codes.view(np.int8).astype(np.int16) + five_bit_bias(groups.fmt)
+    return takes_byte_quads(groups) and (codes.size == 0 or (int(codes.min()) >= 0 and int(codes.max()) < 32))
 
 
 def takes_byte_quads(groups: Groups) -> bool:
@@ -450,10 +487,16 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
     if layout & LAYOUT_FP16_HEAD:
         layout &= ~LAYOUT_FP16_HEAD
         if layout not in _FP16_HEAD_LAYOUTS or not fp16_head(groups):
-            raise ValueError(f"an fp16 head takes layouts 0, 1, 3 and 6 and fp16 scales, not layout {layout}")
+            raise ValueError(
+                f"an fp16 head takes layouts 0, 1, 3, 6 and 8 and fp16 scales, not layout {layout}"
+            )
         head_dtype = np.float16
     if layout in _BYTE_QUAD_LAYOUTS and not takes_byte_quads(groups):
         raise ValueError(f"byte quads take 8-bit codes in -32..31 and K a multiple of 32, not {fmt}")
+    if layout in _FIVE_BIT_LAYOUTS and not takes_five_bits(groups):
+        raise ValueError(
+            f"five-bit quads take codes 0..31 once biased by {five_bit_bias(fmt)}, not these {fmt}"
+        )
     if layout in (LAYOUT_QUADS, LAYOUT_QUADS_FACTORED) and fmt != BlockFormat(4, 32, True):
         raise ValueError(f"the quad layout takes 4-bit groups of 32 with a min, not {fmt}")
     if layout in _FACTORED_LAYOUTS:
@@ -471,6 +514,8 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         codes = _byte_quads(codes)
     elif layout == LAYOUT_SIX_BIT_QUADS:
         codes = _six_bit_quads(_byte_quads(codes))
+    elif layout == LAYOUT_FIVE_BIT_QUADS:
+        codes = _five_bit_quads(_byte_quads(codes), five_bit_bias(fmt))
     elif fmt.bits == 4:
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
@@ -559,7 +604,8 @@ def _pack_factored(  # type: ignore[no-untyped-def]
 ) -> np.ndarray:
     """Layout 2: per tile and super-block of 256 inputs, the tile rows' fp16 units (scale, then min), then per group
     the rows' multipliers (int8 per field, or six-bit pairs: :func:`packed_multipliers`), then per group its codes
-    as layout 0 stores them (layout 4: as layout 3 stores them; layout 5: as layout 1; layout 7: as layout 6)."""
+    as layout 0 stores them (layout 4: as layout 3 stores them; layout 5: as layout 1; layout 7: as layout 6; layout
+    9: as layout 8)."""
     pairs = _factors(groups)
     if pairs is None:
         raise ValueError("these groups' scales are not an fp16 unit per super-block times int8 multipliers")
@@ -583,6 +629,8 @@ def _pack_factored(  # type: ignore[no-untyped-def]
         codes = _byte_quads(codes)
     elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
         codes = _six_bit_quads(_byte_quads(codes))
+    elif layout == LAYOUT_FIVE_BIT_QUADS_FACTORED:
+        codes = _five_bit_quads(_byte_quads(codes), five_bit_bias(fmt))
     elif fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_super, -1)
@@ -625,7 +673,7 @@ class QuantizedWeight:
         parts: list[Groups],
         tile_rows: int,
         int8_activations: bool = False,
-        six_bit: bool = True,
+        quad_bits: int = 5,
         fp16_heads: bool = True,
     ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
@@ -633,8 +681,10 @@ class QuantizedWeight:
         ``tile_rows``: the kernels' panel width (``cpu.kernels.quant_tile_rows()``); any even number for the
         torch path alone. ``int8_activations``: 4-bit parts in the quad layout and 8-bit ones whose codes lie in
         -32..31 in byte quads (the kernel then rounds the activations to 8 bits); other parts (Q8_0, IQ4) stay exact.
-        ``six_bit``: byte quads in six bits a code (layouts 6 and 7); False keeps a byte a code (layouts 3 and 4,
-        the same weights: ``benchmarks/decode_bytes.py`` times the two side by side). ``fp16_heads``: groups of 32
+        ``quad_bits``: the fewest bits a byte quad's code takes: 5 (the loader's) puts the codes that fit in five bits
+        (layouts 8 and 9: Q5_0, Q5_1, Q5_K, Q3_K, Q2_K) and the others in six (layouts 6 and 7: Q6_K); 6 puts all in
+        six; 8 keeps a byte a code (layouts 3 and 4). The same weights: ``benchmarks/decode_bytes.py`` times them
+        side by side. ``fp16_heads``: groups of 32
         whose scales and mins are fp16 values keep them in fp16 (:data:`LAYOUT_FP16_HEAD`); False keeps fp32.
         """
         chunks, meta, offset, row = [], [], 0, 0
@@ -645,14 +695,19 @@ class QuantizedWeight:
             if int8_activations and g.fmt == BlockFormat(4, 32, True):
                 layout = LAYOUT_QUADS_FACTORED if factored(g) else LAYOUT_QUADS
             elif int8_activations and takes_byte_quads(g):
-                layout = (
-                    (LAYOUT_SIX_BIT_QUADS_FACTORED if factored(g) else LAYOUT_SIX_BIT_QUADS)
-                    if six_bit
-                    else (LAYOUT_BYTE_QUADS_FACTORED if factored(g) else LAYOUT_BYTE_QUADS)
+                if quad_bits not in (5, 6, 8):
+                    raise ValueError(f"byte quads take 5, 6 or 8 bits a code, not {quad_bits}")
+                plain, factored_layout = (
+                    (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED)
+                    if quad_bits == 8
+                    else _FIVE_BIT_LAYOUTS
+                    if quad_bits == 5 and takes_five_bits(g)
+                    else _SIX_BIT_LAYOUTS
                 )
+                layout = factored_layout if factored(g) else plain
             else:
                 layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
-            bits = 6 if layout in _SIX_BIT_LAYOUTS else g.fmt.bits
+            bits = 6 if layout in _SIX_BIT_LAYOUTS else 5 if layout in _FIVE_BIT_LAYOUTS else g.fmt.bits
             if fp16_heads and layout in _FP16_HEAD_LAYOUTS and fp16_head(g):
                 layout |= LAYOUT_FP16_HEAD
             packed = pack_groups(g, tile_rows, layout)
@@ -701,6 +756,8 @@ class QuantizedWeight:
                 q = _from_byte_quads(tiles[..., head:], group, width)
             elif layout == LAYOUT_SIX_BIT_QUADS:
                 q = _from_six_bit_quads(tiles[..., head:], group, width)
+            elif layout == LAYOUT_FIVE_BIT_QUADS:
+                q = _from_five_bit_quads(tiles[..., head:], group, width, has_min)
             elif bits == 4:
                 q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
             else:
@@ -748,6 +805,8 @@ class QuantizedWeight:
             q = _from_byte_quads(raw, group, width)
         elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
             q = _from_six_bit_quads(raw, group, width)
+        elif layout == LAYOUT_FIVE_BIT_QUADS_FACTORED:
+            q = _from_five_bit_quads(raw, group, width, has_min)
         elif bits == 4:
             codes = raw.reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W/2]
             q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
@@ -785,3 +844,15 @@ def _from_six_bit_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tens
     return _from_byte_quads(
         torch.cat([first, second], dim=-1).to(torch.uint8).reshape(t, g, -1), group, width
     )
+
+
+def _from_five_bit_quads(raw: torch.Tensor, group: int, width: int, has_min: int) -> torch.Tensor:
+    """Five-bit quad codes ``[T, G, group / 4 * 5 W / 2]`` (uint8) -> codes ``[T, G, group, W]`` as floats."""
+    t, g = raw.shape[:2]
+    quads = raw.reshape(t, g, group // 4, 5 * width // 2).to(torch.int32)
+    low, high = quads[..., : 2 * width], quads[..., 2 * width :]
+    # each vector's fifth bits, [.., 2W] each
+    fifth = [torch.cat([(high >> (c + 4 * v)) & 1 for c in range(4)], dim=-1) for v in (0, 1)]
+    biased = torch.cat([(low & 15) | (fifth[0] << 4), (low >> 4) | (fifth[1] << 4)], dim=-1)
+    bias = five_bit_bias(BlockFormat(8, group, bool(has_min)))
+    return _from_byte_quads((biased + BYTE_QUAD_BIAS - bias).to(torch.uint8).reshape(t, g, -1), group, width)

@@ -37,7 +37,7 @@ from tokenmill.model.gguf_blocks import QUANTIZED_TYPES, Groups, requantize_4bit
 from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_dict
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
-BLOCKS_CACHE_VERSION = 7  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
+BLOCKS_CACHE_VERSION = 8  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
 _TYPES_KEY = "gguf_tensor_types"

@@ -23,10 +23,10 @@
 // above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below; layout 5 is
 // layout 1 with layout 2's factored scales), layouts
 // 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad),
-// layouts 6 and 7 the same in six bits a code (the meta's bits: 6);
+// layouts 6 and 7 the same in six bits a code (the meta's bits: 6), layouts 8 and 9 in five (bits: 5);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
 // and mins as multipliers of per-super-block fp16 units (Fmt's kFactored): the same values in the file's bytes.
-// Layouts 0, 1, 3 and 6 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
+// Layouts 0, 1, 3, 6 and 8 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
 // (Fmt's kHalf): the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), whose every scale and min
 // is an fp16 in the file, read in the file's bytes too.
 //
@@ -395,7 +395,7 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
     for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile, g, d, row);
 }
 
-// Meta's layout column: this flag on layouts 0, 1, 3 and 6 keeps each group's scales and mins in fp16 (Fmt's kHalf).
+// Meta's layout column: this flag on layouts 0, 1, 3, 6 and 8 keeps each group's scales and mins in fp16 (Fmt's kHalf).
 constexpr int64_t kLayoutFp16Head = 16;
 
 // Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
@@ -435,24 +435,29 @@ using Q4Quad = Q4QuadT<false>;
 // each 4 * kPanel bytes: byte 4c + j holds tile row c's code at input 4u + j plus kBias (0..63, vpdpbusd's unsigned
 // operand). The integer sums take kBias times the activations' code sum back: each group's dot product of codes
 // and 8-bit activations exact, as llama.cpp computes Q6_K times Q8_K.
-// kCodeBits 6 (meta layouts 6 and 7, what the loader writes): the same quads in six bits a code, 3 * kPanel bytes
-// each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): with layout 2's head (layout 7), Q6_K in
-// its file's 6.5625 bits a weight instead of 8.6, the same codes, the same sums.
-template <int Group, bool kMin, bool kFactored, int kCodeBits = 8, bool kHalfHead = false>
-struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalfHead> {
-  static_assert(kCodeBits == 8 || kCodeBits == 6, "byte quads are 8 or 6 bits a code");
-  using Base = Fmt<kCodeBits, Group, kMin, kFactored, kHalfHead>;
+// kCodeBits 6 (meta layouts 6 and 7, what the loader writes for Q6_K): the same quads in six bits a code, 3 * kPanel
+// bytes each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): with layout 2's head (layout 7),
+// Q6_K in its file's 6.5625 bits a weight instead of 8.6, the same codes, the same sums.
+// kCodeBits 5 (meta layouts 8 and 9: codes that fit five bits, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K): 5 * kPanel / 2 bytes a
+// quad, the low nibbles' plane and one of fifth bits (simd::five_bit_quad), the codes biased by 16 where they are
+// signed (no min: Q5_0's -16..15) and by 0 where not: Q5_0 and Q5_1 in their file's bytes.
+template <int Group, bool kMin, bool kFactored, int kCodeBits = 8, bool kHalf = false>
+struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
+  static_assert(kCodeBits == 8 || kCodeBits == 6 || kCodeBits == 5, "byte quads are 8, 6 or 5 bits a code");
+  using Base = Fmt<kCodeBits, Group, kMin, kFactored, kHalf>;
   static constexpr int kNumQuads = Group / 4;
-  static constexpr int32_t kBias = 32;
+  static constexpr int32_t kBias = kCodeBits == 5 ? (kMin ? 0 : 16) : 32;
   static constexpr int64_t kQuadBytes = kCodeBits * kPanel / 2;
   // rows per register block: on 16 registers the six-bit unpack's constants and temporaries leave room for 3 rows'
   // accumulators, not 4 (4 spilled: the 1.5B's head at 64 rows took 1.48x a byte quad's time on AVX2, 1.0x at 3)
-  static constexpr int kRows = kCodeBits == 6 && simd::kNumRegs < 32 ? 3 : kQ8Rows;
+  static constexpr int kRows = kCodeBits != 8 && simd::kNumRegs < 32 ? 3 : kQ8Rows;
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and its quads");
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
     const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
     if constexpr (kCodeBits == 6)
       simd::six_bit_quad(q, w0, w1);
+    else if constexpr (kCodeBits == 5)
+      simd::five_bit_quad(q, w0, w1);
     else
       w0 = simd::byte_quad(q), w1 = simd::byte_quad(q + 4 * simd::kLanes);
   }
@@ -462,14 +467,19 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalfHead> {
   // the biased code of tile row r at input d (a byte 4r + d % 4 of its quad, the two QVecs' bytes in a row)
   static int32_t code(const uint8_t* q, int64_t r, int64_t d) {
     const int64_t i = 4 * r + d % 4;
+    constexpr int64_t kVec = 4 * simd::kLanes;  // a QVec's bytes
     if constexpr (kCodeBits == 8) {
       return q[i];
-    } else {
-      constexpr int64_t kVec = 4 * simd::kLanes, kHalf = kVec / 2;  // a QVec's bytes; the high plane's
-      const int64_t v = i / kVec, b = i % kVec;                      // which QVec, its byte
+    } else if constexpr (kCodeBits == 5) {
+      const int64_t v = i / kVec, b = i % kVec;  // which QVec, its byte
       const int low = v == 0 ? q[b] & 15 : q[b] >> 4;
-      const int shift = 4 * int(v) + (b < kHalf ? 0 : 2);
-      return low | (((q[kVec + b % kHalf] >> shift) & 3) << 4);
+      return low | (((q[kVec + b % simd::kLanes] >> (b / simd::kLanes + 4 * v)) & 1) << 4);
+    } else {
+      constexpr int64_t kHighBytes = kVec / 2;  // the plane of top bit pairs
+      const int64_t v = i / kVec, b = i % kVec;   // which QVec, its byte
+      const int low = v == 0 ? q[b] & 15 : q[b] >> 4;
+      const int shift = 4 * int(v) + (b < kHighBytes ? 0 : 2);
+      return low | (((q[kVec + b % kHighBytes] >> shift) & 3) << 4);
     }
   }
   static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
@@ -645,12 +655,17 @@ inline void set_format(QuantPart& p, bool factored, bool half) {
     set(Fmt<Bits, Group, kMin, false>{});
 }
 
-template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false>
-inline void set_byte_quad(QuantPart& p) {
-  using F = ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf>;
+// A quad format F (Q4QuadT, ByteQuad): its 8-bit path and its row lookup.
+template <class F>
+inline void set_quad_format(QuantPart& p) {
   p.q8_rows = &q8_rows<F>;
   p.tile_weights = &tile_weights<F>;
   p.tile_bytes = F::tile_bytes(p.num_groups);
+}
+
+template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false>
+inline void set_byte_quad(QuantPart& p) {
+  set_quad_format<ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf>>(p);
 }
 
 template <int kCodeBits>
@@ -687,41 +702,35 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     QuantPart p;
     p.rows = rows, p.col = col, p.num_groups = k / group, p.group = group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
-    const bool six_bit = layout == 6 || layout == 7;
-    const bool byte_quads = (layout == 3 || layout == 4 || six_bit) && bits == (six_bit ? 6 : 8) &&
+    const bool six_bit = layout == 6 || layout == 7, five_bit = layout == 8 || layout == 9;
+    const int64_t code_bits = six_bit ? 6 : five_bit ? 5 : 8;
+    const bool byte_quads = (layout == 3 || layout == 4 || six_bit || five_bit) && bits == code_bits &&
                             (group == 16 || group == 32) && k % 32 == 0;
     const bool nibble_quads = (layout == 1 || layout == 5) && bits == 4 && group == 32 && has_min;
-    const bool factored = layout == 2 || layout == 4 || layout == 5 || layout == 7;
+    const bool factored = layout == 2 || layout == 4 || layout == 5 || layout == 7 || layout == 9;
     TORCH_CHECK(layout == 0 || (layout == 1 && nibble_quads) || (layout == 5 && nibble_quads && k % 256 == 0) ||
-                    (layout == 2 && k % 256 == 0) || ((layout == 4 || layout == 7) && k % 256 == 0) ||
-                    layout == 3 || layout == 6,
+                    ((layout == 2 || layout == 4 || layout == 7 || layout == 9) && k % 256 == 0) || layout == 3 ||
+                    layout == 6 || layout == 8,
                 "part ", i, ": layout ", layout,
                 " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256;"
                 " 3, 4: byte quads of 8-bit groups of 16 or 32, K a multiple of 32, 4 factored as 2; 5: layout 1"
-                " factored as 2; 6, 7: layouts 3 and 4 in six bits a code)");
-    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i, ": byte quads take ",
-                six_bit ? "6" : "8", "-bit groups of 16 or 32, K a multiple of 32");
-    TORCH_CHECK(!half || ((layout == 0 || layout == 1 || layout == 3 || layout == 6) && group == 32), "part ", i,
-                ": an fp16 head (layout flag ", kLayoutFp16Head, ") takes layouts 0, 1, 3 and 6, groups of 32");
+                " factored as 2; 6, 7: layouts 3 and 4 in six bits a code; 8, 9: in five bits)");
+    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i, ": byte quads take ", code_bits,
+                "-bit groups of 16 or 32, K a multiple of 32");
+    TORCH_CHECK(!half || ((layout == 0 || layout == 1 || layout == 3 || layout == 6 || layout == 8) && group == 32),
+                "part ", i, ": an fp16 head (layout flag ", kLayoutFp16Head,
+                ") takes layouts 0, 1, 3, 6 and 8, groups of 32");
     if (nibble_quads) {
       q.has_q8 = true;
-      if (factored) {
-        p.q8_rows = &q8_rows<Q4QuadT<true>>;
-        p.tile_weights = &tile_weights<Q4QuadT<true>>;
-        p.tile_bytes = Q4QuadT<true>::tile_bytes(p.num_groups);
-      } else if (half) {
-        p.q8_rows = &q8_rows<Q4QuadT<false, true>>;
-        p.tile_weights = &tile_weights<Q4QuadT<false, true>>;
-        p.tile_bytes = Q4QuadT<false, true>::tile_bytes(p.num_groups);
-      } else {
-        p.q8_rows = &q8_rows<Q4Quad>;
-        p.tile_weights = &tile_weights<Q4Quad>;
-        p.tile_bytes = Q4Quad::tile_bytes(p.num_groups);
-      }
+      factored ? set_quad_format<Q4QuadT<true>>(p)
+               : (half ? set_quad_format<Q4QuadT<false, true>>(p) : set_quad_format<Q4Quad>(p));
     } else if (byte_quads) {
       q.has_q8 = true;
-      six_bit ? set_byte_quads<6>(p, group, has_min, factored, half)
-              : set_byte_quads<8>(p, group, has_min, factored, half);
+      if (five_bit)
+        set_byte_quads<5>(p, group, has_min, factored, half);
+      else
+        six_bit ? set_byte_quads<6>(p, group, has_min, factored, half)
+                : set_byte_quads<8>(p, group, has_min, factored, half);
     } else if (bits == 4 && group == 32 && has_min)
       set_format<4, 32, true>(p, factored, half);
     else if (bits == 8 && group == 32 && !has_min)

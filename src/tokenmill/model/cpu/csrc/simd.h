@@ -137,6 +137,18 @@ inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
   w0 = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(h0, m2));
   w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h1, m2));
 }
+// Five-bit byte quads (ByteQuad's planes, meta layouts 8 and 9): two QVecs of codes 0..31 in 5 * kLanes bytes. The
+// low plane as six_bit_quad's; the high plane's kLanes bytes their fifth bits, byte j: bit c the first's byte
+// j + c * kLanes (c < 4, one 128-bit lane each), bit 4 + c the second's. Broadcast to every lane, lane c shifts its
+// bit to bit 4 (4 - c left for the first, c right for the second: no bit of these crosses a byte).
+inline void five_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  const __m512i lo = _mm512_loadu_si512(p), m4 = _mm512_set1_epi8(15), m1 = _mm512_set1_epi8(0x10);
+  const __m512i hh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * kLanes)));
+  const __m512i h0 = _mm512_sllv_epi64(hh, _mm512_set_epi64(1, 1, 2, 2, 3, 3, 4, 4));
+  const __m512i h1 = _mm512_srlv_epi64(hh, _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0));
+  w0 = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(h0, m1));
+  w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h1, m1));
+}
 inline Vec vabs(Vec a) { return _mm512_abs_ps(a); }
 // kLanes 16-bit floats as fp32: IEEE half (F16C's vcvtph2ps), bfloat16 (its bits are fp32's top half)
 inline Vec load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -282,6 +294,18 @@ inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
   const __m256i h1 = _mm256_srlv_epi64(hh, _mm256_set_epi64x(2, 2, 0, 0));
   w0 = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(h0, m2));
   w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(h1, m2));
+}
+// Five-bit byte quads, as on AVX-512 with 64-bit lanes (the high plane's 8 bytes in each).
+inline void five_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(0x10);
+  int64_t bits;
+  std::memcpy(&bits, p + 4 * kLanes, 8);
+  const __m256i hh = _mm256_set1_epi64x(bits);
+  const __m256i h0 = _mm256_sllv_epi64(hh, _mm256_set_epi64x(1, 2, 3, 4));
+  const __m256i h1 = _mm256_srlv_epi64(hh, _mm256_set_epi64x(3, 2, 1, 0));
+  w0 = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(h0, m1));
+  w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(h1, m1));
 }
 inline Vec vabs(Vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
 inline Vec load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -452,6 +476,15 @@ inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
     const int j = i % kHalf, s = i < kHalf ? 0 : 2;
     w0[i] = static_cast<uint8_t>((p[i] & 15) | (((h[j] >> s) & 3) << 4));
     w1[i] = static_cast<uint8_t>((p[i] >> 4) | (((h[j] >> (s + 4)) & 3) << 4));
+  }
+}
+// Five-bit byte quads, as on AVX-512, byte by byte.
+inline void five_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  const uint8_t* h = p + 4 * kLanes;
+  for (int i = 0; i < 4 * kLanes; ++i) {
+    const int j = i % kLanes, c = i / kLanes;
+    w0[i] = static_cast<uint8_t>((p[i] & 15) | (((h[j] >> c) & 1) << 4));
+    w1[i] = static_cast<uint8_t>((p[i] >> 4) | (((h[j] >> (c + 4)) & 1) << 4));
   }
 }
 inline Vec vabs(Vec a) {
