@@ -78,3 +78,6 @@ def test_machine_limits_are_measured_once_and_read_after(tmp_path: Path, monkeyp
     assert (
         hardware_cache.read(path, {**key, "num_threads": key["num_threads"] + 1}) is None
     )  # another machine
+    assert hardware_cache.read(path, key) is not None
+    # kernels built from other sources (the integer probe among them): measured again
+    assert "kernel_sources" in key and hardware_cache.read(path, {**key, "kernel_sources": "0" * 16}) is None

@@ -31,7 +31,8 @@ CACHE_VERSION = 1
 
 
 def machine_key(num_threads: int | None = None) -> dict[str, Any]:
-    """What the limits depend on: the CPU (model name, flags, cores), the threads and the kernels loaded."""
+    """What the limits depend on: the CPU (model name, flags, cores), the threads and the kernels loaded (their
+    variant and the sources they were built from: the integer probe is one of them)."""
     from tokenmill.model.cpu.kernels import loaded
 
     state = loaded()
@@ -41,6 +42,7 @@ def machine_key(num_threads: int | None = None) -> dict[str, Any]:
         "num_cores": os.cpu_count(),
         "num_threads": num_threads or torch.get_num_threads(),
         "kernel_variant": state.variant,
+        "kernel_sources": state.module.source_digest() if state.module is not None else None,
         "version": CACHE_VERSION,
     }
 

@@ -531,15 +531,18 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
 
 // c[r][0:ncols] for rows m .. m + R - 1 of the activations times one tile of F (Q4Quad, ByteQuad): per group, the
 // integer dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
-template <class F, int R>
-inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, int64_t ldc, int64_t ncols) {
+// kUnpacked: `heads` holds the tile's groups' scales and mins as q8_rows unpacked them for every block of rows; else
+// they are unpacked here, and the tile's stream prefetched, for a single block (a decode step's).
+template <class F, int R, bool kUnpacked>
+inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const typename F::Params* heads, float* c,
+                     int64_t ldc, int64_t ncols) {
   using namespace simd;
   Vec f0[R], f1[R];
   for (int r = 0; r < R; ++r) f0[r] = f1[r] = zero();
   const int64_t num_groups = x.K / F::kGroup;
   for (int64_t g = 0; g < num_groups; ++g) {
     const uint8_t* grp = F::group(tile, g);
-    F::prefetch(tile, g);
+    if constexpr (!kUnpacked) F::prefetch(tile, g);
     const int8_t* xg = x.q + m * x.K + g * F::kGroup;
     typename F::Acc a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = qacc_zero();
@@ -553,7 +556,7 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, 
         a1[r] = F::dot(a1[r], w1, xv);
       }
     }
-    const auto p = F::params(tile, g);
+    const auto p = kUnpacked ? heads[g] : F::params(tile, g);
     const int64_t gx = g * F::kGroup / Q4Quad::kGroup;  // the activations' group of 32
     for (int r = 0; r < R; ++r) {
       const float s = x.scale[(m + r) * x.G + gx];
@@ -571,12 +574,31 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, 
   for (int r = 0; r < R; ++r) store_panel_row(c + r * ldc, f0[r], f1[r], ncols);
 }
 
-template <class F, int R>
-inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile, float* c, int64_t ldc,
-                       int64_t ncols) {
+template <class F, int R, bool kUnpacked>
+inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile, const typename F::Params* heads,
+                       float* c, int64_t ldc, int64_t ncols) {
   if constexpr (R >= 1) {
-    if (rows == R) return q8_block<F, R>(x, m, tile, c, ldc, ncols);
-    q8_block_n<F, R - 1>(rows, x, m, tile, c, ldc, ncols);
+    if (rows == R) return q8_block<F, R, kUnpacked>(x, m, tile, heads, c, ldc, ncols);
+    q8_block_n<F, R - 1, kUnpacked>(rows, x, m, tile, heads, c, ldc, ncols);
+  }
+}
+
+// q8_rows for more than one register block: the groups' scales and mins unpacked once for all the blocks (a K-quant's
+// six-bit multipliers times its fp16 units: about as many instructions per group as one row's epilogue), the tile's
+// stream prefetched once, not once per block. Out of line: inlined into q8_rows, it changed how GCC laid out the
+// one-block path (a decode step's), 6% slower at one row on AVX2.
+template <class F>
+__attribute__((noinline)) void q8_blocks_unpacked(const Q8Acts& x, int64_t m0, int64_t m1, int64_t num_chunks,
+                                                  const uint8_t* tile, float* y, int64_t ldy, int64_t ncols) {
+  thread_local std::vector<typename F::Params> heads;
+  const int64_t num_groups = x.K / F::kGroup;
+  if (heads.size() < size_t(num_groups)) heads.resize(num_groups);
+  for (int64_t g = 0; g < num_groups; ++g) F::prefetch(tile, g), heads[g] = F::params(tile, g);
+  int64_t m = m0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t rows = (m1 - m) / (num_chunks - c);
+    q8_block_n<F, F::kRows, true>(static_cast<int>(rows), x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
+    m += rows;
   }
 }
 
@@ -586,12 +608,8 @@ template <class F>
 inline void q8_rows(const Q8Acts& x, int64_t m0, int64_t m1, const uint8_t* tile, float* y, int64_t ldy,
                     int64_t ncols) {
   const int64_t num_chunks = (m1 - m0 + F::kRows - 1) / F::kRows;
-  int64_t m = m0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t rows = (m1 - m) / (num_chunks - c);
-    q8_block_n<F, F::kRows>(static_cast<int>(rows), x, m, tile, y + m * ldy, ldy, ncols);
-    m += rows;
-  }
+  if (num_chunks > 1) return q8_blocks_unpacked<F>(x, m0, m1, num_chunks, tile, y, ldy, ncols);
+  q8_block_n<F, F::kRows, false>(static_cast<int>(m1 - m0), x, m0, tile, nullptr, y + m0 * ldy, ldy, ncols);
 }
 
 using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, float*,
