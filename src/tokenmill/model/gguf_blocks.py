@@ -134,7 +134,7 @@ def _five_bit_quads(quads: np.ndarray, bias: int) -> np.ndarray:
     """Byte quads ``[T, G, quads, W, 4]`` -> five-bit quads ``[T, G, quads, 5 W / 2]``, the codes biased by ``bias``
     instead of :data:`BYTE_QUAD_BIAS` (0..31): the plane of low nibbles as :func:`_six_bit_quads` keeps it, then a plane
     of fifth bits, ``W / 2`` bytes, byte j: bit c the first vector's byte j + c W / 2, bit 4 + c the second's (c < 4),
-    as ``simd::five_bit_quad`` reads them."""
+    as ``simd::narrow_quad`` reads them."""
     t, g, num_quads, w, _ = quads.shape
     b = (quads.astype(np.int16) - BYTE_QUAD_BIAS + bias).astype(np.uint8).reshape(t, g, num_quads, 4 * w)
     first, second = b[..., : 2 * w], b[..., 2 * w :]
@@ -149,7 +149,7 @@ def _six_bit_quads(quads: np.ndarray) -> np.ndarray:
     """Byte quads ``[T, G, quads, W, 4]`` (codes 0..63) -> six-bit quads ``[T, G, quads, 3 W]``: per quad its two
     kernel vectors' bytes (``2 W`` each: rows below W / 2, then the rest) as a plane of low nibbles (byte i: the
     first vector's byte i low, the second's high) and a plane of top bit pairs (byte j: bits 0-1 the first's byte
-    j, 2-3 its byte j + W, 4-5 the second's byte j, 6-7 its byte j + W), as ``simd::six_bit_quad`` reads them."""
+    j, 2-3 its byte j + W, 4-5 the second's byte j, 6-7 its byte j + W), as ``simd::narrow_quad`` reads them."""
     t, g, num_quads, w, _ = quads.shape
     b = quads.reshape(t, g, num_quads, 4 * w)
     first, second = b[..., : 2 * w], b[..., 2 * w :]

@@ -436,10 +436,10 @@ using Q4Quad = Q4QuadT<false>;
 // operand). The integer sums take kBias times the activations' code sum back: each group's dot product of codes
 // and 8-bit activations exact, as llama.cpp computes Q6_K times Q8_K.
 // kCodeBits 6 (meta layouts 6 and 7, what the loader writes for Q6_K): the same quads in six bits a code, 3 * kPanel
-// bytes each, a plane of low nibbles and one of top bit pairs (simd::six_bit_quad): with layout 2's head (layout 7),
+// bytes each, a plane of low nibbles and one of top bit pairs (simd::narrow_quad): with layout 2's head (layout 7),
 // Q6_K in its file's 6.5625 bits a weight instead of 8.6, the same codes, the same sums.
 // kCodeBits 5 (meta layouts 8 and 9: codes that fit five bits, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K): 5 * kPanel / 2 bytes a
-// quad, the low nibbles' plane and one of fifth bits (simd::five_bit_quad), the codes biased by 16 where they are
+// quad, the low nibbles' plane and one of fifth bits (simd::narrow_quad), the codes biased by 16 where they are
 // signed (no min: Q5_0's -16..15) and by 0 where not: Q5_0 and Q5_1 in their file's bytes.
 template <int Group, bool kMin, bool kFactored, int kCodeBits = 8, bool kHalf = false>
 struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
@@ -454,12 +454,10 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and its quads");
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
     const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
-    if constexpr (kCodeBits == 6)
-      simd::six_bit_quad(q, w0, w1);
-    else if constexpr (kCodeBits == 5)
-      simd::five_bit_quad(q, w0, w1);
-    else
+    if constexpr (kCodeBits == 8)
       w0 = simd::byte_quad(q), w1 = simd::byte_quad(q + 4 * simd::kLanes);
+    else
+      simd::narrow_quad<kCodeBits>(q, w0, w1);
   }
   using Acc = simd::QAcc32;
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot32(a, w, x); }

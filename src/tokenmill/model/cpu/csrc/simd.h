@@ -136,30 +136,30 @@ inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(offset)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
-// Six-bit byte quads (ByteQuad's planes, meta layouts 6 and 7): two QVecs of codes 0..63 in 6 * kLanes bytes. The
-// low plane, one QVec, holds the first's low nibbles (low half of each byte) and the second's (high half); the high
-// plane's 2 * kLanes bytes their top two bits, byte j: bits 0-1 the first's byte j, 2-3 its byte j + 2 kLanes, 4-5
-// the second's byte j, 6-7 its byte j + 2 kLanes. Each 256-bit half of the broadcast high plane shifts its pair of
-// bits to bits 4-5 (a 64-bit shift moves no bit of these across a byte: 4 left, 2 left, none, 2 right).
-inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
-  const __m512i lo = _mm512_loadu_si512(p), m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(0x30);
-  const __m512i hh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * kLanes)));
-  const __m512i h0 = _mm512_sllv_epi64(hh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4));
-  const __m512i h1 = _mm512_srlv_epi64(hh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
-  w0 = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(h0, m2));
-  w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h1, m2));
-}
-// Five-bit byte quads (ByteQuad's planes, meta layouts 8 and 9): two QVecs of codes 0..31 in 5 * kLanes bytes. The
-// low plane as six_bit_quad's; the high plane's kLanes bytes their fifth bits, byte j: bit c the first's byte
-// j + c * kLanes (c < 4, one 128-bit lane each), bit 4 + c the second's. Broadcast to every lane, lane c shifts its
-// bit to bit 4 (4 - c left for the first, c right for the second: no bit of these crosses a byte).
-inline void five_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
-  const __m512i lo = _mm512_loadu_si512(p), m4 = _mm512_set1_epi8(15), m1 = _mm512_set1_epi8(0x10);
-  const __m512i hh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * kLanes)));
-  const __m512i h0 = _mm512_sllv_epi64(hh, _mm512_set_epi64(1, 1, 2, 2, 3, 3, 4, 4));
-  const __m512i h1 = _mm512_srlv_epi64(hh, _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0));
-  w0 = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(h0, m1));
-  w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(h1, m1));
+// Byte quads in six or five bits a code (ByteQuad's planes: meta layouts 6 and 7, 8 and 9): two QVecs of codes in
+// 6 or 5 * kLanes bytes. The low plane, one QVec, holds the first's low nibbles (low half of each byte) and the
+// second's (high half); the high plane the rest of each code. Six bits: 2 * kLanes bytes of top bit pairs, byte j:
+// bits 0-1 the first's byte j, 2-3 its byte j + 2 kLanes, 4-5 the second's byte j, 6-7 its byte j + 2 kLanes. Five
+// bits: kLanes bytes of fifth bits, byte j: bit c the first's byte j + c kLanes (c < 4), bit 4 + c the second's.
+// The high plane is broadcast to every 256-bit half (six) or 128-bit lane (five), and each 64-bit element shifts
+// its bits to bit 4 (left for the first, right for the second: no bit of these crosses a byte).
+template <int kCodeBits>
+inline void narrow_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  static_assert(kCodeBits == 6 || kCodeBits == 5, "narrow quads are six or five bits a code");
+  constexpr bool kSix = kCodeBits == 6;
+  const __m512i lo = _mm512_loadu_si512(p), m4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(kSix ? 0x30 : 0x10);
+  const uint8_t* h = p + 4 * kLanes;
+  __m512i hh, left, right;  // the broadcast high plane, each element's shifts
+  if constexpr (kSix) {
+    hh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    left = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), right = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  } else {
+    hh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    left = _mm512_set_epi64(1, 1, 2, 2, 3, 3, 4, 4), right = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
+  }
+  w0 = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_sllv_epi64(hh, left), top));
+  w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                       _mm512_and_si512(_mm512_srlv_epi64(hh, right), top));
 }
 inline Vec vabs(Vec a) { return _mm512_abs_ps(a); }
 // kLanes 16-bit floats as fp32: IEEE half (F16C's vcvtph2ps), bfloat16 (its bits are fp32's top half)
@@ -297,27 +297,27 @@ inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// Six-bit byte quads, as on AVX-512 with 128-bit halves.
-inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+// Byte quads in six or five bits a code, as on AVX-512 with 128-bit halves (six) or 64-bit lanes (five).
+template <int kCodeBits>
+inline void narrow_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  static_assert(kCodeBits == 6 || kCodeBits == 5, "narrow quads are six or five bits a code");
+  constexpr bool kSix = kCodeBits == 6;
   const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
-  const __m256i hh = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * kLanes)));
-  const __m256i h0 = _mm256_sllv_epi64(hh, _mm256_set_epi64x(2, 2, 4, 4));
-  const __m256i h1 = _mm256_srlv_epi64(hh, _mm256_set_epi64x(2, 2, 0, 0));
-  w0 = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(h0, m2));
-  w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(h1, m2));
-}
-// Five-bit byte quads, as on AVX-512 with 64-bit lanes (the high plane's 8 bytes in each).
-inline void five_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(0x10);
-  int64_t bits;
-  std::memcpy(&bits, p + 4 * kLanes, 8);
-  const __m256i hh = _mm256_set1_epi64x(bits);
-  const __m256i h0 = _mm256_sllv_epi64(hh, _mm256_set_epi64x(1, 2, 3, 4));
-  const __m256i h1 = _mm256_srlv_epi64(hh, _mm256_set_epi64x(3, 2, 1, 0));
-  w0 = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(h0, m1));
-  w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(h1, m1));
+  const __m256i m4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(kSix ? 0x30 : 0x10);
+  const uint8_t* h = p + 4 * kLanes;
+  __m256i hh, left, right;  // the broadcast high plane, each element's shifts
+  if constexpr (kSix) {
+    hh = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    left = _mm256_set_epi64x(2, 2, 4, 4), right = _mm256_set_epi64x(2, 2, 0, 0);
+  } else {
+    int64_t bits;
+    std::memcpy(&bits, h, 8);
+    hh = _mm256_set1_epi64x(bits);
+    left = _mm256_set_epi64x(1, 2, 3, 4), right = _mm256_set_epi64x(3, 2, 1, 0);
+  }
+  w0 = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(_mm256_sllv_epi64(hh, left), top));
+  w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
+                       _mm256_and_si256(_mm256_srlv_epi64(hh, right), top));
 }
 inline Vec vabs(Vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
 inline Vec load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -480,23 +480,22 @@ inline QVec byte_quad(const uint8_t* p) {
   std::memcpy(&r, p, sizeof(r));
   return r;
 }
-// Six-bit byte quads, as on AVX-512, byte by byte.
-inline void six_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
-  constexpr int kHalf = 2 * kLanes;  // the high plane's bytes
+// Byte quads in six or five bits a code, as on AVX-512, byte by byte.
+template <int kCodeBits>
+inline void narrow_quad(const uint8_t* p, QVec& w0, QVec& w1) {
+  static_assert(kCodeBits == 6 || kCodeBits == 5, "narrow quads are six or five bits a code");
   const uint8_t* h = p + 4 * kLanes;
   for (int i = 0; i < 4 * kLanes; ++i) {
-    const int j = i % kHalf, s = i < kHalf ? 0 : 2;
-    w0[i] = static_cast<uint8_t>((p[i] & 15) | (((h[j] >> s) & 3) << 4));
-    w1[i] = static_cast<uint8_t>((p[i] >> 4) | (((h[j] >> (s + 4)) & 3) << 4));
-  }
-}
-// Five-bit byte quads, as on AVX-512, byte by byte.
-inline void five_bit_quad(const uint8_t* p, QVec& w0, QVec& w1) {
-  const uint8_t* h = p + 4 * kLanes;
-  for (int i = 0; i < 4 * kLanes; ++i) {
-    const int j = i % kLanes, c = i / kLanes;
-    w0[i] = static_cast<uint8_t>((p[i] & 15) | (((h[j] >> c) & 1) << 4));
-    w1[i] = static_cast<uint8_t>((p[i] >> 4) | (((h[j] >> (c + 4)) & 1) << 4));
+    int top0, top1;  // the first's and the second's bits above the nibble
+    if constexpr (kCodeBits == 6) {
+      const int j = i % (2 * kLanes), s = i < 2 * kLanes ? 0 : 2;
+      top0 = (h[j] >> s) & 3, top1 = (h[j] >> (s + 4)) & 3;
+    } else {
+      const int j = i % kLanes, c = i / kLanes;
+      top0 = (h[j] >> c) & 1, top1 = (h[j] >> (c + 4)) & 1;
+    }
+    w0[i] = static_cast<uint8_t>((p[i] & 15) | (top0 << 4));
+    w1[i] = static_cast<uint8_t>((p[i] >> 4) | (top1 << 4));
   }
 }
 inline Vec vabs(Vec a) {
