@@ -83,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     path = str(Path(resolve(args.model)).resolve())
     layouts = args.layouts.split(",")
-    exact_layouts = ["byte"] + [
-        name for name in layouts if name == "fp32-heads"
-    ]  # the exact path's own: a byte
+    # the exact path's own layout is a byte a code; its fp32-heads row where asked
+    exact_layouts = ["byte", *(name for name in layouts if name == "fp32-heads")]
     rows = [
         (variant, arithmetic, layout)
         for variant in args.variants.split(",")
