@@ -145,6 +145,17 @@ def _five_bit_quads(quads: np.ndarray, bias: int) -> np.ndarray:
     return np.concatenate([low, high], axis=-1).astype(np.uint8)
 
 
+def _quad_codes(codes: np.ndarray, layout: int, fmt: BlockFormat) -> np.ndarray:
+    """Codes ``[T, G, group, W]`` -> a byte-quad layout's code bytes (3 and 4: a byte, 6 and 7: six bits, 8 and 9:
+    five bits a code)."""
+    quads = _byte_quads(codes)
+    if layout in _SIX_BIT_LAYOUTS:
+        return _six_bit_quads(quads)
+    if layout in _FIVE_BIT_LAYOUTS:
+        return _five_bit_quads(quads, five_bit_bias(fmt))
+    return quads
+
+
 def _six_bit_quads(quads: np.ndarray) -> np.ndarray:
     """Byte quads ``[T, G, quads, W, 4]`` (codes 0..63) -> six-bit quads ``[T, G, quads, 3 W]``: per quad its two
     kernel vectors' bytes (``2 W`` each: rows below W / 2, then the rest) as a plane of low nibbles (byte i: the
@@ -174,8 +185,10 @@ def fp16_head(groups: Groups) -> bool:
 def takes_five_bits(groups: Groups) -> bool:
     """Whether a byte-quad part's codes fit five bits with :func:`five_bit_bias`: Q5_0, Q5_1, Q5_K, Q3_K, Q2_K (not
     Q6_K)."""
+    if not takes_byte_quads(groups):
+        return False
     codes = groups.codes.view(np.int8).astype(np.int16) + five_bit_bias(groups.fmt)
-    return takes_byte_quads(groups) and (codes.size == 0 or (int(codes.min()) >= 0 and int(codes.max()) < 32))
+    return codes.size == 0 or (int(codes.min()) >= 0 and int(codes.max()) < 32)
 
 
 def takes_byte_quads(groups: Groups) -> bool:
@@ -510,12 +523,8 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         codes = _nibble_quads(tiles(groups.codes))
         return np.concatenate([*heads, codes], axis=-1).reshape(-1)
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [tiles, G, group, tile_rows]: the rows of one input
-    if layout == LAYOUT_BYTE_QUADS:
-        codes = _byte_quads(codes)
-    elif layout == LAYOUT_SIX_BIT_QUADS:
-        codes = _six_bit_quads(_byte_quads(codes))
-    elif layout == LAYOUT_FIVE_BIT_QUADS:
-        codes = _five_bit_quads(_byte_quads(codes), five_bit_bias(fmt))
+    if layout in _BYTE_QUAD_LAYOUTS:
+        codes = _quad_codes(codes, layout, fmt)
     elif fmt.bits == 4:
         codes = codes[..., :half] | (codes[..., half:] << 4)  # byte i: row i low, row i + half high
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_groups, -1)
@@ -625,12 +634,8 @@ def _pack_factored(  # type: ignore[no-untyped-def]
     codes = tiles(groups.codes).transpose(0, 2, 3, 1)  # [T, G, group, W]
     if layout == LAYOUT_QUADS_FACTORED:
         codes = _nibble_quads(tiles(groups.codes))
-    elif layout == LAYOUT_BYTE_QUADS_FACTORED:
-        codes = _byte_quads(codes)
-    elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
-        codes = _six_bit_quads(_byte_quads(codes))
-    elif layout == LAYOUT_FIVE_BIT_QUADS_FACTORED:
-        codes = _five_bit_quads(_byte_quads(codes), five_bit_bias(fmt))
+    elif layout in _BYTE_QUAD_LAYOUTS:
+        codes = _quad_codes(codes, layout, fmt)
     elif fmt.bits == 4:
         codes = codes[..., : width // 2] | (codes[..., width // 2 :] << 4)
     codes = np.ascontiguousarray(codes).view(np.uint8).reshape(num_tiles, num_super, -1)
@@ -687,6 +692,8 @@ class QuantizedWeight:
         side by side. ``fp16_heads``: groups of 32
         whose scales and mins are fp16 values keep them in fp16 (:data:`LAYOUT_FP16_HEAD`); False keeps fp32.
         """
+        if quad_bits not in (5, 6, 8):
+            raise ValueError(f"byte quads take 5, 6 or 8 bits a code, not {quad_bits}")
         chunks, meta, offset, row = [], [], 0, 0
         in_features = parts[0].codes.shape[1] * parts[0].fmt.group
         for g in parts:
@@ -695,8 +702,6 @@ class QuantizedWeight:
             if int8_activations and g.fmt == BlockFormat(4, 32, True):
                 layout = LAYOUT_QUADS_FACTORED if factored(g) else LAYOUT_QUADS
             elif int8_activations and takes_byte_quads(g):
-                if quad_bits not in (5, 6, 8):
-                    raise ValueError(f"byte quads take 5, 6 or 8 bits a code, not {quad_bits}")
                 plain, factored_layout = (
                     (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED)
                     if quad_bits == 8
@@ -752,12 +757,8 @@ class QuantizedWeight:
             codes = tiles[..., head:].reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W or W/2]
             if layout == LAYOUT_QUADS:
                 q = _from_nibble_quads(tiles[..., head:], width)
-            elif layout == LAYOUT_BYTE_QUADS:
-                q = _from_byte_quads(tiles[..., head:], group, width)
-            elif layout == LAYOUT_SIX_BIT_QUADS:
-                q = _from_six_bit_quads(tiles[..., head:], group, width)
-            elif layout == LAYOUT_FIVE_BIT_QUADS:
-                q = _from_five_bit_quads(tiles[..., head:], group, width, has_min)
+            elif layout in _BYTE_QUAD_LAYOUTS:
+                q = _from_quad_codes(tiles[..., head:], layout, group, width, has_min)
             elif bits == 4:
                 q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
             else:
@@ -801,12 +802,8 @@ class QuantizedWeight:
         raw = tiles[..., unit_bytes + per_super * head :].reshape(num_tiles, num_groups, code_bytes)
         if layout == LAYOUT_QUADS_FACTORED:
             q = _from_nibble_quads(raw, width)
-        elif layout == LAYOUT_BYTE_QUADS_FACTORED:
-            q = _from_byte_quads(raw, group, width)
-        elif layout == LAYOUT_SIX_BIT_QUADS_FACTORED:
-            q = _from_six_bit_quads(raw, group, width)
-        elif layout == LAYOUT_FIVE_BIT_QUADS_FACTORED:
-            q = _from_five_bit_quads(raw, group, width, has_min)
+        elif layout in _BYTE_QUAD_LAYOUTS:
+            q = _from_quad_codes(raw, layout, group, width, has_min)
         elif bits == 4:
             codes = raw.reshape(num_tiles, num_groups, group, -1)  # [T, G, group, W/2]
             q = torch.cat([codes & 15, codes >> 4], dim=-1).float()  # [T, G, group, W]
@@ -822,6 +819,16 @@ def _from_nibble_quads(raw: torch.Tensor, width: int) -> torch.Tensor:
     quads = raw.reshape(t, g, 8, width // 2, 4)  # [T, G, quad, W/2, 4]
     q = torch.cat([quads & 15, quads >> 4], dim=3).permute(0, 1, 2, 4, 3)  # [T, G, quad, 4, W]
     return q.reshape(t, g, 32, width).float()
+
+
+def _from_quad_codes(raw: torch.Tensor, layout: int, group: int, width: int, has_min: int) -> torch.Tensor:
+    """A byte-quad layout's code bytes ``[T, G, ...]`` -> codes ``[T, G, group, W]`` as floats (the inverse of
+    :func:`_quad_codes`)."""
+    if layout in _SIX_BIT_LAYOUTS:
+        return _from_six_bit_quads(raw, group, width)
+    if layout in _FIVE_BIT_LAYOUTS:
+        return _from_five_bit_quads(raw, group, width, has_min)
+    return _from_byte_quads(raw, group, width)
 
 
 def _from_byte_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:
