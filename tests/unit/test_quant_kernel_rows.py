@@ -26,6 +26,30 @@ IN_FEATURES = 1024
 # a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts; past
 # kQFusedRows rows such a K goes in pieces (quant_linear_chunked: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on
 # base), so also blocks ending in tails of 1, 2 and 4 rows after them
+# K = 5,632 in pieces: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on base (the chunked path past kQFusedRows):
+# every count to past two blocks of each, then counts at and around later multiples of 64 and 30 and the end
+PIECES_ROWS = (
+    *range(1, 70),
+    89,
+    90,
+    91,
+    119,
+    120,
+    121,
+    127,
+    128,
+    129,
+    130,
+    131,
+    191,
+    192,
+    193,
+    255,
+    256,
+    257,
+    299,
+    300,
+)
 WIDE_K_ROWS = (1, 2, 8, 9, 13, 16, 17, 25, 31, 32, 34, 36, 61, 63, 64, 65, 66, 68, 129, 130)
 
 
@@ -99,13 +123,25 @@ def test_wide_inputs_end_in_one_row_blocks(kernel_variant, type_name: str) -> No
     _sweep(kernel_variant, weight, w, 8960, WIDE_K_ROWS, _exact)
 
 
-@pytest.mark.parametrize("type_name", sorted(FORMATS))
-def test_every_row_count_of_every_format_in_pieces(kernel_variant, type_name: str) -> None:
-    """K = 5,632 (TinyLlama's down projection): cut in pieces on every variant (AVX-512 past 4,096 inputs, AVX2 and
-    base past 5,461), the last piece short; every row count 1..300."""
+def _in_pieces(kernel_variant, type_name: str, row_counts) -> None:
     width = kernel_variant.quant_tile_rows()
     weight, w = _weights((type_name,), width + 3, 5632, width)
-    _sweep(kernel_variant, weight, w, 5632, range(1, MAX_ROWS + 1), _exact)
+    _sweep(kernel_variant, weight, w, 5632, row_counts, _exact)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_row_counts_of_every_format_in_pieces(kernel_variant, type_name: str) -> None:
+    """K = 5,632 (TinyLlama's down projection): cut in pieces on every variant (AVX-512 past 4,096 inputs, AVX2 and
+    base past 5,461), the last piece short; every row count to PIECES_ROWS' end, then around the row blocks'
+    multiples (the whole 1..300 in the slow sweep below and under AddressSanitizer)."""
+    _in_pieces(kernel_variant, type_name, PIECES_ROWS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_every_row_count_of_every_format_in_pieces(kernel_variant, type_name: str) -> None:
+    """The same, every row count 1..300."""
+    _in_pieces(kernel_variant, type_name, range(1, MAX_ROWS + 1))
 
 
 def test_wide_inputs_in_pieces_equal_the_uncut_fp32_panels(kernel_variant) -> None:
