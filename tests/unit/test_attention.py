@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -177,11 +177,19 @@ def test_fast_matches_reference_on_cuda(dtype: torch.dtype, atol: float) -> None
 _PREFILL_SHAPES = [(9, 3, 64, 16), (10, 2, 64, 5), (8, 2, 128, 16), (6, 6, 128, 7), (4, 1, 96, 16)]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(*shape, kv_dtype) for kv_dtype in KV_DTYPES for shape in _PREFILL_SHAPES],
-    ids=lambda p: "-".join(map(str, p)),
-)
+def _prefill_params() -> list[Any]:
+    """Every shape on an fp32 cache; on the other cache types (the same tiles after the copy out of the cache) two
+    shapes by default, one per head size, and the rest with the slow tests."""
+    params = []
+    for kv_dtype in KV_DTYPES:
+        for i, shape in enumerate(_PREFILL_SHAPES):
+            slow = kv_dtype != torch.float32 and i not in (0, 3)
+            case = (*shape, kv_dtype)
+            params.append(pytest.param(case, marks=pytest.mark.slow) if slow else case)
+    return params
+
+
+@pytest.fixture(scope="module", params=_prefill_params(), ids=lambda p: "-".join(map(str, p)))
 def prefill_case(request: pytest.FixtureRequest) -> _PrefillCase:
     """One shape and cache type's inputs and float64 reference, shared by every kernel variant's test (pytest
     runs a module-scoped parameter's tests together and drops the case when the next one starts)."""
