@@ -492,17 +492,20 @@ def test_int8_activations_leave_other_formats_exact(kernel_variant) -> None:
 
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("sign", [1, -1])
-def test_byte_quads_extreme_codes_and_activations(kernel_variant, group: int, sign: int) -> None:
+@pytest.mark.parametrize("quad_bits", [6, 8])
+def test_byte_quads_extreme_codes_and_activations(kernel_variant, group: int, sign: int, quad_bits: int) -> None:
     """Codes at the ends of -32..31 times activations at +-127 in every input, where AVX2's pairs of products come
-    closest to int16's limit (2 * 63 * 127) and a group's sum passes it: the sums must be exact integers."""
+    closest to int16's limit (2 * 63 * 127; a run of two quads' pairs added in int16, 32,004) and a group's sum
+    passes it: the sums must be exact integers, in six-bit quads and in byte quads."""
     fmt = BlockFormat(8, group, False)
     rows, in_features = 3, 256
     codes = np.empty((rows, in_features // group, group), np.int8)
     codes[0], codes[1], codes[2] = 31, -32, np.where(np.arange(group) % 2 == 0, 31, -32).astype(np.int8)
     scale = np.full((rows, in_features // group), 0.5, np.float32)
     groups = Groups(fmt, codes.view(np.uint8), scale, None)
-    weight = QuantizedWeight.from_groups([groups], kernel_variant.quant_tile_rows(), int8_activations=True)
-    assert weight.type_summary() == f"6bit/g{group}/x8"
+    tile_rows = kernel_variant.quant_tile_rows()
+    weight = QuantizedWeight.from_groups([groups], tile_rows, int8_activations=True, quad_bits=quad_bits)
+    assert weight.type_summary() == f"{quad_bits}bit/g{group}/x8"
     x = torch.full((2, in_features), float(sign))  # codes +-127, s = 1 / 127
     x[1, 1::2] = -sign
     out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()

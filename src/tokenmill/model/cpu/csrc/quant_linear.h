@@ -413,6 +413,7 @@ struct Q4QuadT : Fmt<4, 32, true, kFactored, kHalf> {
   static constexpr int32_t kBias = 0;  // codes stored as they are
   static constexpr int64_t kQuadBytes = 2 * kPanel;
   static constexpr int kRows = kQ8Rows;  // rows per register block
+  static constexpr int kRun = 1;         // dot adds each quad into Acc (int16 on AVX2 for the whole group)
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and 8 quads");
   // quad u's codes: tile rows 0 .. kLanes - 1 (low nibbles) and kLanes .. kPanel - 1 (high)
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
@@ -451,6 +452,7 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
   // rows per register block: on 16 registers the six-bit unpack's constants and temporaries leave room for 3 rows'
   // accumulators, not 4 (4 spilled: the 1.5B's head at 64 rows took 1.48x a byte quad's time on AVX2, 1.0x at 3)
   static constexpr int kRows = kCodeBits != 8 && simd::kNumRegs < 32 ? 3 : kQ8Rows;
+  static constexpr int kRun = simd::quad_run(kCodeBits);  // quads whose pair sums add up before joining int32 lanes
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and its quads");
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
     const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
@@ -527,6 +529,43 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
 }
 
 
+// One group's integer sums, codes times activations, for R rows of activations (x, a row every ldx): a0 the tile's
+// first kLanes outputs, a1 the rest. A format with runs (ByteQuad on AVX2: F::kRun > 1) adds a run of quads' pair
+// sums in int16 and joins them into the int32 sums once per run.
+template <class F, int R>
+inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, typename F::Acc* a0, typename F::Acc* a1) {
+  using namespace simd;
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = qacc_zero();
+  if constexpr (F::kRun == 1) {
+#pragma GCC unroll 2
+    for (int u = 0; u < F::kNumQuads; ++u) {
+      QVec w0, w1;
+      F::quad(grp, u, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const QVec xv = x_quad(x + r * ldx + 4 * u);
+        a0[r] = F::dot(a0[r], w0, xv);
+        a1[r] = F::dot(a1[r], w1, xv);
+      }
+    }
+  } else {
+    static_assert(F::kNumQuads % F::kRun == 0, "a group is whole runs");
+    for (int u0 = 0; u0 < F::kNumQuads; u0 += F::kRun) {
+      QRun s0[R], s1[R];
+#pragma GCC unroll 4
+      for (int v = 0; v < F::kRun; ++v) {
+        QVec w0, w1;
+        F::quad(grp, u0 + v, w0, w1);
+        for (int r = 0; r < R; ++r) {
+          const QVec xv = x_quad(x + r * ldx + 4 * (u0 + v));
+          s0[r] = v == 0 ? qrun_first(w0, xv) : qrun_add(s0[r], w0, xv);
+          s1[r] = v == 0 ? qrun_first(w1, xv) : qrun_add(s1[r], w1, xv);
+        }
+      }
+      for (int r = 0; r < R; ++r) a0[r] = qrun_join(a0[r], s0[r]), a1[r] = qrun_join(a1[r], s1[r]);
+    }
+  }
+}
+
 // c[r][0:ncols] for rows m .. m + R - 1 of the activations times one tile of F (Q4Quad, ByteQuad): per group, the
 // integer dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
 // kUnpacked: `heads` holds the tile's groups' scales and mins as q8_rows unpacked them for every block of rows; else
@@ -543,17 +582,7 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const type
     if constexpr (!kUnpacked) F::prefetch(tile, g);
     const int8_t* xg = x.q + m * x.K + g * F::kGroup;
     typename F::Acc a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = qacc_zero();
-#pragma GCC unroll 2
-    for (int u = 0; u < F::kNumQuads; ++u) {
-      QVec w0, w1;
-      F::quad(grp, u, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        const QVec xv = x_quad(xg + r * x.K + 4 * u);
-        a0[r] = F::dot(a0[r], w0, xv);
-        a1[r] = F::dot(a1[r], w1, xv);
-      }
-    }
+    q8_group_sums<F, R>(grp, xg, x.K, a0, a1);
     const auto p = kUnpacked ? heads[g] : F::params(tile, g);
     const int64_t gx = g * F::kGroup / Q4Quad::kGroup;  // the activations' group of 32
     for (int r = 0; r < R; ++r) {

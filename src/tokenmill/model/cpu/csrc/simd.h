@@ -135,6 +135,12 @@ inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) { return dpbusd(acc, codes,
 inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(offset)));
 }
+// Runs of quads (see the AVX2 body): vpdpbusd adds into int32 lanes at once, so a run is one quad.
+inline constexpr int quad_run(int) { return 1; }
+using QRun = QAcc32;
+inline QRun qrun_first(QVec codes, QVec x) { return dpbusd(_mm512_setzero_si512(), codes, x); }
+inline QRun qrun_add(QRun s, QVec codes, QVec x) { return dpbusd(s, codes, x); }
+inline QAcc32 qrun_join(QAcc32 acc, QRun s) { return _mm512_add_epi32(acc, s); }
 inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
 // Byte quads in six or five bits a code (ByteQuad's planes: meta layouts 6 and 7, 8 and 9): two QVecs of codes in
 // 6 or 5 * kLanes bytes. The low plane, one QVec, holds the first's low nibbles (low half of each byte) and the
@@ -295,6 +301,16 @@ inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) {
 }
 inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
+}
+// A run of quads' pair sums added up in int16 (vpmaddubsw, vpaddw) and joined into the int32 lanes once per run (one
+// vpmaddwd and vpaddd instead of one per quad): codes below 2^bits and activations within +-127 make a pair at most
+// 2 * (2^bits - 1) * 127, so 4 quads of five-bit codes (31,496) or 2 of six-bit ones (32,004) stay under 2^15.
+inline constexpr int quad_run(int code_bits) { return code_bits <= 5 ? 4 : 2; }
+using QRun = __m256i;  // 2 * kLanes int16 sums
+inline QRun qrun_first(QVec codes, QVec x) { return _mm256_maddubs_epi16(codes, x); }
+inline QRun qrun_add(QRun s, QVec codes, QVec x) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(codes, x)); }
+inline QAcc32 qrun_join(QAcc32 acc, QRun s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 // Byte quads in six or five bits a code, as on AVX-512 with 128-bit halves (six) or 64-bit lanes (five).
@@ -475,6 +491,12 @@ inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   for (int c = 0; c < kLanes; ++c) r[c] = static_cast<float>(a[c] - offset);
   return r;
 }
+// Runs of quads (see the AVX2 body): the sums are int32 at once, a run is one quad.
+inline constexpr int quad_run(int) { return 1; }
+using QRun = QAcc32;
+inline QRun qrun_first(QVec codes, QVec x) { return qdot(QAcc{}, codes, x); }
+inline QRun qrun_add(QRun s, QVec codes, QVec x) { return qdot(s, codes, x); }
+inline QAcc32 qrun_join(QAcc32 acc, QRun s) { return acc + s; }
 inline QVec byte_quad(const uint8_t* p) {
   QVec r;
   std::memcpy(&r, p, sizeof(r));
