@@ -493,7 +493,9 @@ def test_int8_activations_leave_other_formats_exact(kernel_variant) -> None:
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("quad_bits", [6, 8])
-def test_byte_quads_extreme_codes_and_activations(kernel_variant, group: int, sign: int, quad_bits: int) -> None:
+def test_byte_quads_extreme_codes_and_activations(
+    kernel_variant, group: int, sign: int, quad_bits: int
+) -> None:
     """Codes at the ends of -32..31 times activations at +-127 in every input, where AVX2's pairs of products come
     closest to int16's limit (2 * 63 * 127; a run of two quads' pairs added in int16, 32,004) and a group's sum
     passes it: the sums must be exact integers, in six-bit quads and in byte quads."""
