@@ -5,10 +5,10 @@
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
 //   scores [R, L] = Q [R, D] @ K^T [D, L]     (R = tokens x the G query heads of the KV head)
 //   out    [R, D] = softmax(scores) @ V [L, D]
-// The keys and values visible to the tile are copied once per (sequence, KV head) out of the cache, as K^T [D, L]
-// and V [L, D], so both products go through panel_linear.h's register block (a window of kPanel columns of K^T
-// or V as its panel): per step two vector loads feed kPanelMaxRows broadcasts and twice as many FMAs (8 and 16
-// on AVX-512, 6 and 12 on AVX2).
+// The keys and values visible to the tile are copied once per (sequence, KV head) out of the cache, as K^T in
+// panels of kPanel keys ([D, kPanel] each) and V [L, D], so both products go through panel_linear.h's register
+// block (a panel of K^T, or a window of kPanel columns of V): per step two vector loads feed kPanelMaxRows
+// broadcasts and twice as many FMAs (8 and 16 on AVX-512, 6 and 12 on AVX2).
 // Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
 // and a block of rows reads keys only up to its last row's position.
 // Both products go key block by key block (kPrefillKeyBlock keys), every row block of the tile inside: a block of
@@ -30,7 +30,7 @@ namespace {
 
 constexpr int64_t kPrefillTileTokens = 64;  // query tokens per work item
 constexpr int kPrefillRowBlock = kPanelMaxRows;  // query rows per register block
-// Keys per block of the two products: K^T [D, 1024] and V [1024, D] are 256 KB each at D = 64, 512 KB at 128
+// Keys per block of the two products: K^T's 1,024 keys and V [1024, D] are 256 KB each at D = 64, 512 KB at 128
 constexpr int64_t kPrefillKeyBlock = 1024;
 
 struct PrefillScratch {
@@ -56,17 +56,21 @@ inline void prefill_tile(const float* q, float* out, const Cache& c, const int64
     s.v.resize(s.ld * D);
   }
   const int64_t ld = s.ld;
-  // K^T [D, ld] and V [ld, D] for this KV head, contiguous: the keys not copied yet, a run of one cache block's
-  // tokens at a time (V read in place, through the block table, ran 30% slower on AVX2)
+  // K^T and V [ld, D] for this KV head, contiguous: the keys not copied yet, a run of one cache block's tokens at a
+  // time (V read in place, through the block table, ran 30% slower on AVX2). K^T in panels of kPanel keys, each
+  // [D, kPanel] contiguous as panel_linear's weights: a row-major K^T [D, ld] put a panel's D loads ld floats apart
+  // (at 1,024 or 4,608 keys a stride of 4 KB or 18 KB, all in one or two sets of L1). V in panels of dimensions
+  // instead measured no faster.
   for (int64_t t0 = s.num_keys; t0 < num_keys;) {
     const int64_t n = std::min(BS - t0 % BS, num_keys - t0), offset = block_table[t0 / BS] * bs + (t0 % BS) * ts;
     constexpr simd::KvType K = Cache::kType;
     const auto* kb = c.k + offset + h * c.row;
     float key_scale[kPrefillKeyBlock];  // n <= block_size <= kPrefillKeyBlock (checked at the entry)
     for (int64_t i = 0; i < n; ++i) key_scale[i] = simd::kv_scale<K>(kb + i * ts, D);
-    for (int64_t d = 0; d < D; ++d) {
-      float* dst = s.kt.data() + d * ld + t0;
-      for (int64_t i = 0; i < n; ++i) dst[i] = simd::kv_to_float<K>(kb[i * ts + d]) * key_scale[i];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      float* dst = s.kt.data() + t / kPanel * (D * kPanel) + t % kPanel;  // key t's column of its panel
+      for (int64_t d = 0; d < D; ++d) dst[d * kPanel] = simd::kv_to_float<K>(kb[i * ts + d]) * key_scale[i];
     }
     const auto* vb = c.v + offset + h * c.row;
     for (int64_t i = 0; i < n; ++i) simd::kv_row_to_float<K>(vb + i * ts, D, s.v.data() + (t0 + i) * D);
@@ -97,8 +101,8 @@ inline void prefill_tile(const float* q, float* out, const Cache& c, const int64
     for (int64_t r0 = 0; r0 < R; r0 += kPrefillRowBlock) {
       row_block(r0, rows, block_keys, sc);
       for (int64_t p = k0; p < std::min(block_keys, k0 + kPrefillKeyBlock); p += kPanel)
-        panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p, ld, D, sc + p, ld,
-                                               kPanel);
+        panel_block_n<kPrefillRowBlock, false>(rows, s.q.data() + r0 * D, D, s.kt.data() + p * D, kPanel, D,
+                                               sc + p, ld, kPanel);  // K^T's panel of keys p .. p + kPanel - 1
     }
   for (int64_t r0 = 0; r0 < R; r0 += kPrefillRowBlock) {
     row_block(r0, rows, block_keys, sc);
