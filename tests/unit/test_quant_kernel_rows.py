@@ -23,33 +23,19 @@ MAX_ROWS = 300
 # K = 1,024 makes blocks of 256 KB of x: 64 rows on AVX-512, 60 on AVX2 (a multiple of the register block),
 # so tails of one row at 65, 129, ... or 61, 121, ...; the 8-bit path's blocks (252 rows) at 253.
 IN_FEATURES = 1024
-# a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts; past
-# kQFusedRows rows such a K goes in pieces (quant_linear_chunked: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on
-# base), so also blocks ending in tails of 1, 2 and 4 rows after them
 # K = 5,632 in pieces: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on base (the chunked path past kQFusedRows):
-# every count to past two blocks of each, then counts at and around later multiples of 64 and 30 and the end
+# every count to 69 (past two blocks of 30 and of 12, one of 64), then counts around later multiples of 30 and 64
 PIECES_ROWS = (
     *range(1, 70),
-    89,
-    90,
-    91,
-    119,
-    120,
-    121,
-    127,
-    128,
-    129,
+    *(m + d for m in (90, 120, 128, 192, 256) for d in (-1, 0, 1)),
     130,
     131,
-    191,
-    192,
-    193,
-    255,
-    256,
-    257,
     299,
     300,
 )
+# a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts; past
+# kQFusedRows rows such a K goes in pieces (quant_linear_chunked: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on
+# base), so also blocks ending in tails of 1, 2 and 4 rows after them
 WIDE_K_ROWS = (1, 2, 8, 9, 13, 16, 17, 25, 31, 32, 34, 36, 61, 63, 64, 65, 66, 68, 129, 130)
 
 
@@ -132,8 +118,8 @@ def _in_pieces(kernel_variant, type_name: str, row_counts) -> None:
 @pytest.mark.parametrize("type_name", sorted(FORMATS))
 def test_row_counts_of_every_format_in_pieces(kernel_variant, type_name: str) -> None:
     """K = 5,632 (TinyLlama's down projection): cut in pieces on every variant (AVX-512 past 4,096 inputs, AVX2 and
-    base past 5,461), the last piece short; every row count to PIECES_ROWS' end, then around the row blocks'
-    multiples (the whole 1..300 in the slow sweep below and under AddressSanitizer)."""
+    base past 5,461), the last piece short; the row counts of PIECES_ROWS (every one of 1..300 in the slow sweep
+    below, which the AddressSanitizer run takes too)."""
     _in_pieces(kernel_variant, type_name, PIECES_ROWS)
 
 
