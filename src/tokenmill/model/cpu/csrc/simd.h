@@ -294,7 +294,8 @@ inline QVec x_quad(const int8_t* p) {
 inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, x)); }
 inline Vec qacc_to_float(QAcc a) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a, _mm256_set1_epi16(1))); }
 // Byte codes (0..63) times 8-bit activations: a pair of products fits int16 (2 * 63 * 127 = 16,002) but a group's
-// sum does not, so each quad's pairs join into int32 lanes at once (vpmaddwd by ones).
+// sum does not, so here each quad's pairs join into int32 lanes at once (vpmaddwd by ones): the peak probe's loop.
+// The kernels join them once per run of quads instead (qrun_* below).
 using QAcc32 = __m256i;  // kLanes int32 sums
 inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
@@ -305,6 +306,7 @@ inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
 // A run of quads' pair sums added up in int16 (vpmaddubsw, vpaddw) and joined into the int32 lanes once per run (one
 // vpmaddwd and vpaddd instead of one per quad): codes below 2^bits and activations within +-127 make a pair at most
 // 2 * (2^bits - 1) * 127, so 4 quads of five-bit codes (31,496) or 2 of six-bit ones (32,004) stay under 2^15.
+// Byte quads (8 bits a code) hold codes 0..63 too (ByteQuad's bias of 32 on Q6_K's -32..31), so they take runs of 2.
 inline constexpr int quad_run(int code_bits) { return code_bits <= 5 ? 4 : 2; }
 using QRun = __m256i;  // 2 * kLanes int16 sums
 inline QRun qrun_first(QVec codes, QVec x) { return _mm256_maddubs_epi16(codes, x); }
