@@ -331,3 +331,27 @@ def test_what_a_decode_step_reads_against_the_file(
     table_bytes = sum(t.untyped_storage().nbytes() for t in (table.data, table.meta))  # its blocks and layout
     expected = weight_bytes(loaded.model) - (0 if tied else table_bytes)
     assert decode_read_bytes(loaded.model) == expected
+
+
+def test_a_load_deletes_the_cache_entries_no_load_can_find_again(tmp_path: Path) -> None:
+    """Writing an entry prunes the cache: the entries of a removed file and a rewritten one go, a kept file's stay."""
+    cache = tmp_path / "cache"
+    paths = {name: tmp_path / f"{name}.gguf" for name in ("kept", "removed", "rewritten", "new")}
+    for name in ("kept", "removed", "rewritten"):
+        write_gguf(paths[name], TYPES)
+        load_model(str(paths[name]), device="cpu", quantization="gguf")
+        load_model(str(paths[name]), device="cpu", quantization="fp32")
+    entries = {p.name for p in cache.glob("gguf-*.safetensors")}
+    assert len(entries) == 6  # a blocks entry and a dequantized one each
+    paths["removed"].unlink()
+    write_gguf(paths["rewritten"], TYPES, seed=1)
+    write_gguf(paths["new"], TYPES, seed=2)
+    load_model(str(paths["new"]), device="cpu", quantization="gguf")
+    kept = {
+        p.name for p in cache.glob("gguf-*.safetensors") if gguf_loader.file_identity(paths["kept"]) in p.name
+    }
+    new = {
+        p.name for p in cache.glob("gguf-*.safetensors") if gguf_loader.file_identity(paths["new"]) in p.name
+    }
+    assert len(kept) == 2 and kept <= entries and len(new) == 1
+    assert {p.name for p in cache.glob("gguf-*.safetensors")} == kept | new

@@ -4,7 +4,8 @@ their quantized blocks (the default on CPU, :func:`read_quantized_gguf`) or dequ
 Reading a GGUF file means parsing its metadata (2 s for SmolLM2's 49k-token vocabulary, 5.6 s for Qwen2.5's
 152k) and converting every tensor. :class:`GGUFFile` does that once and caches the result in
 ``$TOKENMILL_CACHE_DIR`` (default ``~/.cache/tokenmill``), keyed by the file's path, size and modification
-time (:func:`file_identity`): with ``quantization="gguf"`` the blocks as the kernels read them
+time (:func:`~tokenmill.model.weights_cache.file_identity`; entries no load can find again are deleted whenever
+one is written): with ``quantization="gguf"`` the blocks as the kernels read them
 (``gguf-blocks-*``, per panel width and mode), with ``"fp32"`` the weights as float32, already fused the way
 :class:`~tokenmill.model.llama.LlamaForCausalLM` holds them; the metadata (config and tokenizer fields) in the
 safetensors header either way. A later load memory-maps the cache (the weights are then file pages, shared
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import re
@@ -35,6 +35,7 @@ import torch
 from tokenmill.model.config import LlamaConfig
 from tokenmill.model.gguf_blocks import QUANTIZED_TYPES, Groups, requantize_4bit, to_groups
 from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_dict
+from tokenmill.model.weights_cache import file_identity, prune_dead_entries
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
 BLOCKS_CACHE_VERSION = 8  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
@@ -93,14 +94,6 @@ _TOKEN_EMBD, _OUTPUT = "token_embd.weight", "output.weight"
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
-
-
-def file_identity(path: Path) -> str:
-    """A cache key for a file without reading it: its resolved path, size and modification time (hashing a
-    1 GB file takes 1.6 s, more than a cached load may take). A file replaced or touched gets a new key."""
-    stat = path.stat()
-    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
@@ -302,7 +295,7 @@ class GGUFFile:
             _FIELDS_KEY: json.dumps(_metadata_values(self.reader())),
             _TYPES_KEY: json.dumps(sorted({t.tensor_type.name for t in self.reader().tensors})),
             _STEP_BYTES_KEY: str(self._file_step_bytes()),
-            "source": str(self.path),
+            "source": str(self.path.resolve()),
         }
 
     def reader(self) -> Any:
@@ -322,11 +315,21 @@ class GGUFFile:
         config, hf_state_dict = convert_gguf(self.path, reader=self.reader())
         fused = fuse_hf_state_dict(config, hf_state_dict)
         del hf_state_dict
-        try:
-            _write_cache_atomically(self.cache_path, fused, self._header(config))
-        except OSError as exc:  # an unwritable cache costs speed next time, not this load
-            warnings.warn(f"could not write GGUF cache {self.cache_path}: {exc}", stacklevel=2)
+        self._store(self.cache_path, fused, config)
         return config, fused
+
+    def _store(self, path: Path, tensors: dict[str, torch.Tensor], config: LlamaConfig) -> bool:
+        """Write a cache entry, then delete the entries no load can find again (``weights_cache``); False when it
+        could not be written (an unwritable cache costs time at the next load, not this one)."""
+        try:
+            _write_cache_atomically(path, tensors, self._header(config))
+        except OSError as exc:
+            warnings.warn(f"could not write GGUF cache {path}: {exc}", stacklevel=3)
+            return False
+        prune_dead_entries(
+            self.cache_dir, {"gguf-": CACHE_FORMAT_VERSION, "gguf-blocks-": BLOCKS_CACHE_VERSION}
+        )
+        return True
 
     def _file_step_bytes(self) -> int:
         tensors = self.reader().tensors
@@ -394,10 +397,7 @@ class GGUFFile:
             }
         model = build_quantized_llama(config, dense, quantized, tile_rows, matmuls, int8_activations)
         del dense, quantized
-        try:
-            _write_cache_atomically(cache, quantized_state(model), self._header(config))
-        except OSError as exc:  # an unwritable cache costs time next load, not this one
-            warnings.warn(f"could not write GGUF blocks cache {cache}: {exc}", stacklevel=2)
+        if not self._store(cache, quantized_state(model), config):
             return config, model
         # the model built from the mapped file: its weights are the cache's pages, not a private copy
         return config, rebuild_quantized_llama(config, load_file(cache, device="cpu"), matmuls)
