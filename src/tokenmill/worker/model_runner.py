@@ -53,6 +53,10 @@ class ModelRunner:
         kv_config = loaded.config if tp_group is None else tp_group.local_config
         self.kv_dtype = kv_dtype or loaded.dtype  # the KV cache's elements (EngineConfig.kv_cache_dtype)
         self.kv_caches = allocate_kv_cache(kv_config, num_blocks, block_size, self.kv_dtype, loaded.device)
+        if self.device.type == "cpu":  # after the KV cache: it stays mapped, given back when the engine ends
+            from tokenmill.model.cpu.allocator import keep_step_memory
+
+            keep_step_memory()
         self.sampler = Sampler(seed)
         self.lora_manager = lora_manager
         self.num_steps = 0

@@ -517,10 +517,14 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float
         for (int v = 0; v < Q4Quad::kGroup; v += kLanes) amax = max(amax, vabs(load(p + v)));
         const float a = reduce_max(amax), s = a / 127.f, inv = a > 0.f ? 1.f / s : 0.f;
         int8_t* codes = q + m * K + g * Q4Quad::kGroup;
-        for (int v = 0; v < Q4Quad::kGroup; v += kLanes)
-          store_i8(codes + v, min(max(round_nearest(mul(load(p + v), set1(inv))), set1(-127.f)), set1(127.f)));
-        int32_t halves[2] = {0, 0};  // the code sums of inputs 0..15 and 16..31
-        for (int i = 0; i < Q4Quad::kGroup; ++i) halves[i / 16] += codes[i];
+        Vec sums[2] = {zero(), zero()};  // the codes of inputs 0..15 and 16..31, added lane by lane
+        for (int v = 0; v < Q4Quad::kGroup; v += kLanes) {
+          const Vec c = min(max(round_nearest(mul(load(p + v), set1(inv))), set1(-127.f)), set1(127.f));
+          store_i8(codes + v, c);
+          sums[v / 16] = add(sums[v / 16], c);
+        }
+        // integers below 2^11 in magnitude: the float sums are exact
+        const int32_t halves[2] = {int32_t(reduce_add(sums[0])), int32_t(reduce_add(sums[1]))};
         sum16[m * (K / 16) + 2 * g] = halves[0], sum16[m * (K / 16) + 2 * g + 1] = halves[1];
         scale[m * G + g] = s;
         scaled_sum[m * G + g] = s * float(halves[0] + halves[1]);  // an integer below 2^13: exact
