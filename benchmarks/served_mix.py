@@ -8,7 +8,7 @@ all submitted at once, greedy with EOS ignored so every engine produces exactly 
 prompts are windows of Python source the standard library ships (``--prompts text``, what a coding model is
 asked to continue) or random token ids (``--prompts random``: a model answers them with stray bytes and
 end-of-turn tokens, some of which llama-server's output parser refuses with a 500). tokenmill runs them through ``Engine.generate`` (the continuous batching scheduler, no
-HTTP) on its default arithmetic (``--quantizations default,gguf`` adds the exact path); llama.cpp
+HTTP; a step's budget 2,048 tokens, the LLM class's, ``--max-num-batched-tokens 512`` for ``tokenmill serve``'s) on its default arithmetic (``--quantizations default,gguf`` adds the exact path); llama.cpp
 through ``llama-server -np P -c P*1024 -t 2`` (P parallel slots, each request a ``/completion`` call with the
 token ids as the prompt, all in flight together); with ``--vllm-python``, vLLM's CPU backend through
 ``LLM.generate`` in its own virtualenv on an HF export of the same file (``benchmarks/vllm_peer.py``; dtype bf16
@@ -51,7 +51,7 @@ def run_tokenmill(model: str, requests: list[tuple[list[int], int]], **engine_kw
     from tokenmill.engine import Engine
     from tokenmill.sampling_params import SamplingParams
 
-    engine = Engine(model=model, max_num_batched_tokens=2048, **engine_kwargs)
+    engine = Engine(model=model, **engine_kwargs)
     engine.generate([requests[0][0][:32]], SamplingParams(temperature=0.0, max_tokens=4))
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
     start = time.perf_counter()
@@ -113,6 +113,12 @@ def main() -> None:
         "--vllm-dtype", default="auto", help="float32 or bfloat16 (auto: its best on this CPU)"
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokenmill's token budget a step (2,048: the LLM class's; tokenmill serve's on CPU is 512)",
+    )
+    parser.add_argument(
         "--quantizations",
         default="default",
         help="tokenmill's runs, comma-separated: default (the arithmetic model/arithmetic.py chooses), gguf (the "
@@ -141,7 +147,9 @@ def main() -> None:
     times_s = {}
     for quantization in args.quantizations.split(","):
         asked = None if quantization == "default" else quantization
-        times_s[quantization] = tm = run_tokenmill(gguf, requests, quantization=asked)
+        times_s[quantization] = tm = run_tokenmill(
+            gguf, requests, quantization=asked, max_num_batched_tokens=args.max_num_batched_tokens
+        )
         print(f"tokenmill ({quantization}): {tm:.1f} s ({num_out / tm:.1f} output tok/s)", flush=True)
     if args.llama_server:
         ls = run_llama_server(args.llama_server, gguf, requests, args.parallel)
