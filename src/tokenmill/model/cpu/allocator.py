@@ -37,7 +37,9 @@ def keep_step_memory() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES)
+    )
     if not ok:
         logger.debug("glibc refused the malloc thresholds; each step maps its activations anew")
     return ok
