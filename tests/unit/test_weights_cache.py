@@ -62,7 +62,7 @@ def test_a_touched_or_rewritten_file_orphans_its_entries(tmp_path: Path, cache: 
     assert list(cache.iterdir()) == [new]
 
 
-def test_an_entry_of_another_format_version_goes(tmp_path: Path, cache: Path) -> None:
+def test_an_entry_of_an_older_format_version_goes_and_a_newer_stays(tmp_path: Path, cache: Path) -> None:
     model = model_file(tmp_path, "model.gguf")
     identity = file_identity(model)
     stale = [
@@ -70,8 +70,11 @@ def test_an_entry_of_another_format_version_goes(tmp_path: Path, cache: Path) ->
         entry(cache, model, identity, "gguf-blocks-{id}-w16-q8-v4.safetensors"),
     ]
     current = entry(cache, model, identity, "gguf-blocks-{id}-w16-q8-v5.safetensors")
+    newer = entry(cache, model, identity, "gguf-blocks-{id}-w16-q8-v6.safetensors")  # a newer install's
     assert sorted(prune_dead_entries(cache, VERSIONS)) == sorted(stale)
-    assert list(cache.iterdir()) == [current]
+    assert sorted(cache.iterdir()) == sorted([current, newer])
+    model.unlink()  # a newer install's entry of a file gone goes too
+    assert sorted(prune_dead_entries(cache, VERSIONS)) == sorted([current, newer])
 
 
 def test_what_it_cannot_judge_stays(tmp_path: Path, cache: Path) -> None:

@@ -5,7 +5,8 @@ An entry of ``$TOKENMILL_CACHE_DIR`` (``gguf-<identity>-v<N>.safetensors``, the 
 size and modification time (:func:`file_identity`) and names that file in its header
 (``source``). Once the file is gone, moved, replaced or touched, or the format's version has moved on, no load can
 ever find the entry again: a virtualenv made anew (the embedded model's path changes), a test's temporary GGUF, a
-model file edited in place. :func:`prune_dead_entries` deletes exactly those, so the cache holds at most the entries
+model file edited in place (an entry of a newer version than this tokenmill's belongs to a newer install: kept
+while its file is). :func:`prune_dead_entries` deletes exactly those, so the cache holds at most the entries
 a later load can still use. Entries whose header cannot be read are left alone (a load rewrites them). Loads call it
 each time they write an entry, the only moment the cache grows.
 """
@@ -52,8 +53,9 @@ def source_of(entry: Path) -> str | None:
 
 
 def is_dead(entry: Path, identity: str, version: int, current_version: int) -> bool:
-    """Whether no load can find ``entry`` again: another format version, or its source file gone or changed."""
-    if version != current_version:
+    """Whether no load can find ``entry`` again: an older format version, or its source file gone or changed (a
+    newer version's entry is a newer install's, sharing the folder: kept while its file is as it was)."""
+    if version < current_version:
         return True
     source = source_of(entry)
     if source is None or not os.path.isabs(source):
