@@ -24,46 +24,41 @@ from typing import Any
 from benchmarks.common import llama_server, post_json
 
 
-def tokenmill_rates(
-    model: str, prefill: list[int], decode_prompt: list[int], num_decode: int, speculation: str
-) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one round on an engine made once (see the module's text)."""
-    from tokenmill.sampling_params import SamplingParams
-
-    engine = _engine(model, speculation)
-
-    def run(prompt: list[int], max_tokens: int) -> tuple[float, float]:
-        start = time.perf_counter()
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        first_s = None
-        while engine.has_unfinished():
-            result = engine.step()
-            if first_s is None and any(d.new_token_ids for d in result.deltas):
-                first_s = time.perf_counter() - start
-        total_s = time.perf_counter() - start
-        return first_s if first_s is not None else total_s, total_s
-
-    first_s, _ = run(prefill, 1)
-    decode_first_s, decode_total_s = run(decode_prompt, num_decode)
-    return len(prefill) / first_s, (num_decode - 1) / (decode_total_s - decode_first_s)
-
-
-_ENGINES: dict[tuple[str, str], Any] = {}
-
-
-def _engine(model: str, speculation: str) -> Any:
+def serve_engine(model: str, speculation: str) -> Any:
     """The engine ``tokenmill serve`` would run (``speculation`` "auto": its n-gram speculation for thin batches;
     "none": off), prefix caching off so every round computes its prompt, warmed up."""
-    if (model, speculation) not in _ENGINES:
-        from tokenmill.config import SPECULATION_AUTO
-        from tokenmill.engine import Engine
-        from tokenmill.sampling_params import SamplingParams
+    from tokenmill.config import SPECULATION_AUTO
+    from tokenmill.engine import Engine
+    from tokenmill.sampling_params import SamplingParams
 
-        spec = SPECULATION_AUTO if speculation == "auto" else {"method": "none"}
-        engine = Engine(model=model, enable_prefix_caching=False, speculative_config=spec)
-        engine.generate([[100, 101, 102, 103] * 8], SamplingParams(max_tokens=4, temperature=0))
-        _ENGINES[model, speculation] = engine
-    return _ENGINES[model, speculation]
+    spec = SPECULATION_AUTO if speculation == "auto" else {"method": "none"}
+    engine = Engine(model=model, enable_prefix_caching=False, speculative_config=spec)
+    engine.generate([[100, 101, 102, 103] * 8], SamplingParams(max_tokens=4, temperature=0))
+    return engine
+
+
+def timed_request(engine: Any, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds to the last) of one greedy request, EOS ignored, alone in ``engine``."""
+    from tokenmill.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    first_s = None
+    while engine.has_unfinished():
+        result = engine.step()
+        if first_s is None and any(d.new_token_ids for d in result.deltas):
+            first_s = time.perf_counter() - start
+    total_s = time.perf_counter() - start
+    return first_s if first_s is not None else total_s, total_s
+
+
+def tokenmill_rates(
+    engine: Any, prefill: list[int], decode_prompt: list[int], num_decode: int
+) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one round (see the module's text)."""
+    first_s, _ = timed_request(engine, prefill, 1)
+    decode_first_s, decode_total_s = timed_request(engine, decode_prompt, num_decode)
+    return len(prefill) / first_s, (num_decode - 1) / (decode_total_s - decode_first_s)
 
 
 def llama_rates(
@@ -93,7 +88,7 @@ def main() -> None:
     from tokenmill.system_info import collect, one_line
     from tokenmill.tokenizer import Tokenizer
 
-    gguf = str(resolve(args.model)) if not args.model.endswith(".gguf") else args.model
+    gguf = resolve(args.model)
     ids = Tokenizer.from_gguf(gguf).encode(code_text(), add_special_tokens=False)
     prefill, decode_prompt = ids[1000 : 1000 + args.prefill_tokens], ids[50_000:50_064]
     print(f"# {gguf} | {one_line(collect())}")
@@ -102,9 +97,9 @@ def main() -> None:
     )
     rates = {}
     for speculation in ("auto", "none"):
+        engine = serve_engine(gguf, speculation)
         rounds = [
-            tokenmill_rates(gguf, prefill, decode_prompt, args.decode_tokens, speculation)
-            for _ in range(args.rounds)
+            tokenmill_rates(engine, prefill, decode_prompt, args.decode_tokens) for _ in range(args.rounds)
         ]
         rates[speculation] = (max(r[0] for r in rounds), max(r[1] for r in rounds))
     tm, plain = rates["auto"], rates["none"]

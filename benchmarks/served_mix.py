@@ -130,7 +130,7 @@ def main() -> None:
     from tokenmill.system_info import collect, one_line
     from tokenmill.tokenizer import Tokenizer
 
-    gguf = str(resolve(args.model)) if not args.model.endswith(".gguf") else args.model
+    gguf = resolve(args.model)
     tokenizer = Tokenizer.from_gguf(gguf)
     if args.prompts == "text":
         from benchmarks.arithmetic_quality import code_text

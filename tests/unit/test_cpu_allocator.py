@@ -14,11 +14,14 @@ pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only"
 )
 
+PRELUDES = {  # what runs before the two steps
+    "default": "",
+    "keep": "from tokenmill.model.cpu.allocator import keep_step_memory\nassert keep_step_memory()",
+    "engine": "from tokenmill.engine import Engine\nEngine(num_kv_blocks=8)",
+}
 SCRIPT = """
-import sys, torch
-from tokenmill.model.cpu.allocator import keep_step_memory
-if sys.argv[1] == "keep":
-    assert keep_step_memory()
+import torch
+{prelude}
 def region(address):
     for line in open("/proc/self/maps"):
         span, *rest = line.split()
@@ -35,8 +38,10 @@ print(where)
 
 
 def region(mode: str) -> str:
-    """The mapping that held the second step's activation: ``[heap]`` or ``anonymous`` (a mapping of its own)."""
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
+    """The mapping that held the second step's activation after ``PRELUDES[mode]``: ``[heap]`` or ``anonymous``
+    (a mapping of its own)."""
+    script = SCRIPT.format(prelude=PRELUDES[mode])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     return out.stdout.split()[-1]
 
 
@@ -46,10 +51,4 @@ def test_a_step_sized_activation_comes_from_the_heap() -> None:
 
 
 def test_an_engine_on_the_cpu_sets_them() -> None:
-    engine = SCRIPT.replace(
-        'if sys.argv[1] == "keep":\n    assert keep_step_memory()\n',
-        "from tokenmill.engine import Engine\nEngine(num_kv_blocks=8)\n",
-    )
-    assert "Engine(" in engine
-    out = subprocess.run([sys.executable, "-c", engine, "engine"], capture_output=True, text=True, check=True)
-    assert out.stdout.split()[-1] == "[heap]"
+    assert region("engine") == "[heap]"

@@ -347,11 +347,8 @@ def test_a_load_deletes_the_cache_entries_no_load_can_find_again(tmp_path: Path)
     write_gguf(paths["rewritten"], TYPES, seed=1)
     write_gguf(paths["new"], TYPES, seed=2)
     load_model(str(paths["new"]), device="cpu", quantization="gguf")
-    kept = {
-        p.name for p in cache.glob("gguf-*.safetensors") if gguf_loader.file_identity(paths["kept"]) in p.name
-    }
-    new = {
-        p.name for p in cache.glob("gguf-*.safetensors") if gguf_loader.file_identity(paths["new"]) in p.name
-    }
+    left = {p.name for p in cache.glob("gguf-*.safetensors")}
+    kept = {n for n in left if gguf_loader.file_identity(paths["kept"]) in n}
+    new = {n for n in left if gguf_loader.file_identity(paths["new"]) in n}
     assert len(kept) == 2 and kept <= entries and len(new) == 1
-    assert {p.name for p in cache.glob("gguf-*.safetensors")} == kept | new
+    assert left == kept | new
