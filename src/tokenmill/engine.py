@@ -572,6 +572,8 @@ class Engine:
             room = self.scheduler_config.max_num_seqs - self.scheduler.num_running
             self.kv_disk.promote(self.kv_manager, self.scheduler.waiting, room)
         scheduler_output = self.scheduler.schedule(now_s=self.clock())
+        if self.thread_governor is not None and scheduler_output.rows:
+            self.thread_governor.begin_step(step_kind(scheduler_output.rows))
         result = StepResult(record=scheduler_output.record)
         try:
             runner_output = self.runner.execute(scheduler_output)

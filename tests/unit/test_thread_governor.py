@@ -66,3 +66,23 @@ def test_more_cores_probe_one_fewer() -> None:
 def test_one_thread_has_nothing_to_govern() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         ThreadGovernor(1, lambda n: None)
+
+
+def test_a_prompt_during_a_probe_runs_at_the_chosen_count() -> None:
+    m = Machine()
+    g = m.governor
+    m.run(g.probe_every, QUIET)  # the first probe starts after the last of these steps
+    assert g._probing == 1 and m.threads == 1
+    decode_counts = []
+    for kind in ("prefill", "decode", "mixed", "decode", "prefill"):
+        g.begin_step(kind)
+        if kind == "decode":
+            decode_counts.append(m.threads)
+        else:
+            assert m.threads == 2  # the chosen count, not the probe's
+        g.observe(kind, bound_s=QUIET[m.threads] * 0.01, step_s=0.01)
+    assert decode_counts == [1, 1]  # the probe resumes on decode steps and counts only them
+    for _ in range(g.probe_steps - 2):
+        g.begin_step("decode")
+        g.observe("decode", bound_s=QUIET[m.threads] * 0.01, step_s=0.01)
+    assert g._probing is None and g.num_threads == 2 and m.threads == 2

@@ -9,6 +9,8 @@ one compare) at the thread count in use and at one fewer: every ``probe_every`` 
 keeps winning is probed more rarely (the interval doubles up to ``max_probe_every``), so on a quiet machine the
 probes cost about ``probe_steps / max_probe_every`` of the steps at the slower count; a sudden slowdown (a decode
 step at less than ``collapse`` of the recent efficiency, ``collapse_steps`` times in a row) probes at once.
+A step with prompt tokens in it always runs at the chosen count: a probe pauses for it (``begin_step``), so a
+prompt that arrives during a probe does not wait on the count under trial.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class ThreadGovernor:
         if max_threads < 2:
             raise ValueError(f"a thread governor needs at least 2 threads, got {max_threads}")
         self.max_threads, self._set_threads = max_threads, set_threads
-        self.num_threads = max_threads  # in use (between probes: the chosen count)
+        self.num_threads = max_threads  # the chosen count
+        self._applied = max_threads  # the count last set
         self.probe_every, self.min_probe_every, self.max_probe_every = (
             probe_every,
             probe_every,
@@ -48,6 +51,17 @@ class ThreadGovernor:
         self._num_slow = 0
         self._reference: float | None = None  # a moving average of the chosen count's efficiency
         self.num_switches = 0
+
+    def begin_step(self, kind: str) -> None:
+        """Called before a step's forward with its kind (``roofline.step_kind``): a probe runs on decode steps
+        alone, and any other step runs at the chosen count."""
+        if self._probing is not None:
+            self._apply(self._probing if kind == "decode" else self.num_threads)
+
+    def _apply(self, num_threads: int) -> None:
+        if num_threads != self._applied:
+            self._applied = num_threads
+            self._set_threads(num_threads)
 
     def observe(self, kind: str, bound_s: float, step_s: float) -> None:
         """One step's kind (``roofline.step_kind``), roofline bound and wall time. Only decode steps decide: their
@@ -79,7 +93,7 @@ class ThreadGovernor:
 
     def _start_probe(self) -> None:
         self._probing, self._probe, self._num_slow = self._other(), [], 0
-        self._set_threads(self._probing)
+        self._apply(self._probing)
 
     def _decide(self) -> None:
         assert self._probing is not None
@@ -93,4 +107,4 @@ class ThreadGovernor:
         else:
             self.probe_every = min(self.max_probe_every, 2 * self.probe_every)
         self._probing, self._probe, self._since_probe = None, [], 0
-        self._set_threads(self.num_threads)
+        self._apply(self.num_threads)
