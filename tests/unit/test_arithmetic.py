@@ -15,7 +15,8 @@ _EMBEDDED = ("llama", "Smollm2 135M 8k Lc100K Mix1 Ep2", 98_362_432)
 def test_a_measured_model_within_the_rule_gets_llama_cpp_arithmetic() -> None:
     choice = choose(*_EMBEDDED, kernel_variant="avx2")
     assert choice.quantization == LLAMA_CPP
-    assert "measured on SmolLM2-135M-Instruct" in choice.reason and "97.17%" in choice.reason
+    assert "measured on SmolLM2-135M-Instruct" in choice.reason and "97.34%" in choice.reason
+    assert "Q8_0/IQ4 tensors exact (rounded too: prose perplexity +0.37%, top-1 96.72%" in choice.reason
 
 
 def test_the_same_name_at_another_size_is_another_file() -> None:
@@ -34,6 +35,25 @@ def test_a_measured_model_outside_the_rule_keeps_the_exact_path(
     within = rise_pct <= 1.0 and top1_pct >= 97.0
     assert choice.quantization == (LLAMA_CPP if within else EXACT)
     assert ("outside the rule" in choice.reason) != within
+
+
+def test_wide_quads_unless_measured_outside_the_rule_with_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q8_0 and IQ4 tensors take 8-bit activations (as in llama.cpp) unless the file was measured below the rule
+    with them rounded; TOKENMILL_WIDE_QUADS overrides either way (the quality benchmark measures both)."""
+    monkeypatch.delenv(arithmetic.WIDE_QUADS_ENV, raising=False)
+    assert arithmetic.wide_quads(*_EMBEDDED) is False  # measured: top-1 96.72% with its Q8_0 head rounded
+    assert arithmetic.wide_quads("llama", _EMBEDDED[1], _EMBEDDED[2] + 1) is True  # not measured
+    record = Measured("m", "qwen2", "M", 1000, {"prose": 0.1}, {"prose": 99.0}, "1/50", "t")
+    monkeypatch.setattr(
+        arithmetic, "MEASURED", (record, dataclasses.replace(record, file_bytes=2, wide_exact=True))
+    )
+    assert (
+        arithmetic.wide_quads("qwen2", "M", 1000) is True and arithmetic.wide_quads("qwen2", "M", 2) is False
+    )
+    monkeypatch.setenv(arithmetic.WIDE_QUADS_ENV, "1")
+    assert arithmetic.wide_quads("qwen2", "M", 2) is True
+    monkeypatch.setenv(arithmetic.WIDE_QUADS_ENV, "0")
+    assert arithmetic.wide_quads("qwen2", "M", 1000) is False
 
 
 def test_without_an_integer_dot_product_the_exact_path_stays() -> None:

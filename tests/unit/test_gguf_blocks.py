@@ -26,6 +26,7 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_QUADS_FACTORED,
     LAYOUT_SIX_BIT_QUADS,
     LAYOUT_SIX_BIT_QUADS_FACTORED,
+    LAYOUT_WIDE_BYTE_QUADS,
     BlockFormat,
     Groups,
     QuantizedWeight,
@@ -301,16 +302,23 @@ def quad_weight(type_name: str, rows: int, in_features: int, seed: int, tile_row
     )
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", *BYTE_QUAD_TYPES])
+WIDE_BYTE_QUAD_TYPES = ["Q8_0", "IQ4_NL", "IQ4_XS"]  # 8-bit codes across -128..127
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", *BYTE_QUAD_TYPES, *WIDE_BYTE_QUAD_TYPES])
 @pytest.mark.parametrize("tile_rows", [8, 16, 32])
 def test_quad_layout_holds_the_same_weights(type_name: str, tile_rows: int) -> None:
     weight, expected = quad_weight(type_name, 37, 2 * _k(type_name), seed=tile_rows, tile_rows=tile_rows)
     fmt = FORMATS[type_name]
-    bits = QUAD_CODE_BITS.get(type_name, 4)  # the 8-bit formats' codes in five or six bits a code
+    bits = QUAD_CODE_BITS.get(type_name, fmt.bits)  # the 8-bit formats' codes in five or six bits a code
     assert weight.int8_activations and weight.type_summary() == f"{bits}bit/g{fmt.group}/x8"
     factored = type_name.endswith("_K")  # the K-quants keep their factored scales, 4-bit ones too
     half = 0 if factored else LAYOUT_FP16_HEAD  # the others' scales are the file's fp16 values
-    if bits == 6:
+    if type_name in WIDE_BYTE_QUAD_TYPES:
+        assert int(weight.meta[0, 8]) & ~LAYOUT_FP16_HEAD == LAYOUT_WIDE_BYTE_QUADS
+        if type_name != "IQ4_XS":  # a super-block's unit times a signed multiplier need not be an fp16 value
+            assert int(weight.meta[0, 8]) & LAYOUT_FP16_HEAD
+    elif bits == 6:
         assert weight.meta[0, 8] == (
             LAYOUT_SIX_BIT_QUADS_FACTORED if factored else LAYOUT_SIX_BIT_QUADS | half
         )
@@ -338,6 +346,11 @@ Q8_CASES = [
     (1, 200, 512, "Q6_K"),
     (5, 70, 768, "Q6_K"),
     (300, 33, 256, "Q6_K"),
+    (1, 70, 576, "Q8_0"),
+    (5, 33, 96, "Q8_0"),
+    (300, 40, 256, "Q8_0"),
+    (4, 37, 128, "IQ4_NL"),
+    (6, 20, 256, "IQ4_XS"),
     (3, 40, 64, "Q5_0"),
     (7, 40, 96, "Q5_1"),
     (2, 41, 512, "Q5_K"),
@@ -454,7 +467,9 @@ def test_narrow_quads_hold_the_byte_quads_codes_in_five_or_six_bits(kernel_varia
     assert torch.equal(kernel_variant.quant_rows(narrow.data, narrow.meta, ids), expected[ids])
 
 
-@pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 576), ("Q6_K", 512), ("Q5_0", 576)])
+@pytest.mark.parametrize(
+    ("type_name", "in_features"), [("Q4_1", 576), ("Q6_K", 512), ("Q5_0", 576), ("Q8_0", 576)]
+)
 def test_int8_activation_rows_do_not_depend_on_the_batch(
     kernel_variant, type_name: str, in_features: int
 ) -> None:
@@ -468,25 +483,40 @@ def test_int8_activation_rows_do_not_depend_on_the_batch(
         assert torch.equal(kernel_variant.quant_linear(x[rows], weight.data, weight.meta), full[rows])
 
 
-def test_int8_activations_leave_other_formats_exact(kernel_variant) -> None:
-    """A fused Q4_K + Q6_K + Q8_0 matrix: the Q4_K and Q6_K rows take the rounded activations, the Q8_0 rows (codes
-    past -32..31) stay exact."""
+def wide_groups_of_16(rows: int, in_features: int, seed: int) -> Groups:
+    """8-bit groups of 16 without a min whose codes span -128..127: no GGUF type, the one block format left that no
+    quad layout takes (the 8-bit-activation kernel keeps such a part exact)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-128, 128, size=(rows, in_features // 16, 16)).astype(np.int8)
+    scale = rng.uniform(1e-3, 1e-2, size=(rows, in_features // 16)).astype(np.float32)
+    return Groups(BlockFormat(8, 16, False), codes.view(np.uint8), scale, None)
+
+
+def test_int8_activations_take_every_gguf_part_and_leave_the_rest_exact(kernel_variant) -> None:
+    """A fused Q4_K + Q6_K + Q8_0 matrix and a part of 8-bit groups of 16 spanning -128..127: the three GGUF parts
+    take the rounded activations (Q8_0 as wide byte quads), the last stays exact beside them."""
     in_features = 512
     types = (("Q4_K", 9, 1), ("Q6_K", 5, 3), ("Q8_0", 4, 2))
     raws = [random_blocks(t, r, in_features, seed) for t, r, seed in types]
     groups = [to_groups(t, r, in_features) for (t, _, _), r in zip(types, raws)]
-    weight = QuantizedWeight.from_groups(groups, kernel_variant.quant_tile_rows(), int8_activations=True)
-    assert weight.type_summary() == "4bit/g32/x8+6bit/g16/x8+8bit/g32"
+    exact_part = wide_groups_of_16(3, in_features, seed=4)
+    weight = QuantizedWeight.from_groups(
+        [*groups, exact_part], kernel_variant.quant_tile_rows(), int8_activations=True
+    )
+    assert weight.type_summary() == "4bit/g32/x8+6bit/g16/x8+8bit/g32/x8+8bit/g16"
+    assert int(weight.meta[2, 8]) == LAYOUT_WIDE_BYTE_QUADS | LAYOUT_FP16_HEAD
     w = [reference(t, r, in_features) for (t, _, _), r in zip(types, raws)]
-    rounded_rows = torch.cat(w[:2])
+    values = exact_part.codes.view(np.int8).astype(np.float32) * exact_part.scale[..., None]
+    w.append(torch.from_numpy(values.reshape(3, in_features)))
+    rounded_rows = torch.cat(w[:3])
     for num_rows in (1, 4, 20):
         x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
         out = kernel_variant.quant_linear(x, weight.data, weight.meta)
         rounded = round_activations(x)
         scale = (rounded.abs() @ rounded_rows.double().abs().T).clamp_min(1e-30)
-        assert ((out[:, :14].double() - rounded @ rounded_rows.double().T).abs() / scale).max() < 1e-5
-        assert_fp32_matmul(out[:, 14:], x, w[2])
-    ids = torch.arange(18)
+        assert ((out[:, :18].double() - rounded @ rounded_rows.double().T).abs() / scale).max() < 1e-5
+        assert_fp32_matmul(out[:, 18:], x, w[3])
+    ids = torch.arange(21)
     assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), torch.cat(w))
 
 
@@ -542,6 +572,30 @@ def test_five_bit_quads_extreme_codes_and_activations(kernel_variant, group: int
         assert out[0, 0].item() == pytest.approx(sign * (0.5 * high - (0.25 if has_min else 0)) * in_features)
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_wide_byte_quads_extreme_codes_and_activations(kernel_variant, sign: int) -> None:
+    """Codes at -128 and 127 times activations at +-127 in every input: AVX2 multiplies |code| (128 at most) by the
+    activation given the code's sign, a pair of products at most 2 * 128 * 127 = 32,512, just under int16's limit;
+    a group's sum passes it. The sums must be exact integers."""
+    fmt = BlockFormat(8, 32, False)
+    rows, in_features = 4, 256
+    codes = np.empty((rows, in_features // 32, 32), np.int8)
+    codes[0], codes[1] = 127, -128
+    codes[2] = np.where(np.arange(32) % 2 == 0, 127, -128).astype(np.int8)
+    codes[3] = np.where(np.arange(32) % 4 < 2, -128, 0).astype(np.int8)
+    scale = np.full((rows, in_features // 32), 0.5, np.float32)
+    groups = Groups(fmt, codes.view(np.uint8), scale, None)
+    weight = QuantizedWeight.from_groups([groups], kernel_variant.quant_tile_rows(), int8_activations=True)
+    assert weight.type_summary() == "8bit/g32/x8" and int(weight.meta[0, 8]) & ~LAYOUT_FP16_HEAD == 10
+    x = torch.full((2, in_features), float(sign))  # codes +-127, s = 1 / 127
+    x[1, 1::2] = -sign
+    out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()
+    expected = round_activations(x) @ weight.dequantize().double().T
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert out[0, 1].item() == pytest.approx(sign * 0.5 * -128 * in_features, rel=1e-6)
+    assert out[1, 2].item() == pytest.approx(sign * 0.5 * 255 * in_features / 2, rel=1e-6)
+
+
 def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
     weight, _ = quantized("Q8_0", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
     bad = weight.meta.clone()
@@ -572,6 +626,14 @@ def test_quad_layout_is_for_4_bit_groups_only(kernel_variant) -> None:
             pack_groups(q6, 8, layout)
     with pytest.raises(ValueError, match="5, 6 or 8 bits"):
         QuantizedWeight.from_groups([q6], 8, int8_activations=True, quad_bits=4)
+    # wide byte quads: 8-bit groups of 32 without a min only, in Python and in the kernel
+    with pytest.raises(ValueError, match="wide byte quads"):
+        pack_groups(q6, 8, LAYOUT_WIDE_BYTE_QUADS)
+    q6_quads, _ = quad_weight("Q6_K", 8, 256, seed=0, tile_rows=kernel_variant.quant_tile_rows())
+    bad = q6_quads.meta.clone()
+    bad[0, 8] = LAYOUT_WIDE_BYTE_QUADS
+    with pytest.raises(RuntimeError, match="layout"):
+        kernel_variant.quant_linear(torch.randn(1, 256), q6_quads.data, bad)
     q4, _ = quantized("Q4_1", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
     for layout in (LAYOUT_BYTE_QUADS, LAYOUT_FIVE_BIT_QUADS):
         bad = q4.meta.clone()

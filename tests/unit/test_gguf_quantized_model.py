@@ -5,15 +5,17 @@ flat-batch prefill and the decode stack, on every kernel variant."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from test_gguf_blocks import round_activations
 from tiny_models import random_blocks
 
-from tokenmill.model import gguf_loader
+from tokenmill.model import arithmetic, gguf_loader
 from tokenmill.model.gguf_blocks import QuantizedWeight
 from tokenmill.model.loader import LoadedModel, allocate_kv_cache, load_model
 from tokenmill.model.quant import QuantizedEmbedding, QuantizedLinear
@@ -188,7 +190,7 @@ def test_low_bit_types_match_the_dequantized_twin(kernel_variant, tmp_path: Path
 
 def test_gguf_q8_on_a_mixed_file(kernel_variant, tmp_path: Path) -> None:
     """``quantization="gguf-q8"`` on a Q4_K / Q6_K file: the 4-bit parts take the quad layout, the Q6_K ones byte
-    quads, inside the same fused matmul; the decode stack gives the eager forward's logits bit for bit; and the
+    quads, inside the same fused matmul, Q8_0 projections wide byte quads; the decode stack gives the eager forward's logits bit for bit; and the
     logits point the exact path's way (the kernel's own arithmetic is pinned in test_gguf_blocks.py)."""
     path = tmp_path / "tiny-mixed.gguf"
     write_gguf(path, TYPES)
@@ -196,6 +198,8 @@ def test_gguf_q8_on_a_mixed_file(kernel_variant, tmp_path: Path) -> None:
     assert q8.quantization == "gguf-q8"
     qkv = q8.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+6bit/g16/x8"
+    # Q4_0 gate and Q8_0 up (wide byte quads: a file not measured gets them, as llama.cpp computes Q8_0)
+    assert q8.model.model.layers[0].mlp.gate_up_proj.weight.type_summary() == "4bit/g32/x8+8bit/g32/x8"
     exact = load_model(str(path), device="cpu", quantization="gguf")
     with_stack = prefill_then_decode(q8, PROMPTS, 3)
     stack, q8.model.backend.decode_stack = q8.model.backend.decode_stack, None
@@ -250,6 +254,35 @@ def test_tied_head_shares_the_embedding_bytes(tmp_path: Path) -> None:
     a, b = prefill_then_decode(kept, PROMPTS, 1), prefill_then_decode(twin, PROMPTS, 1)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=2e-4, rtol=0)
+
+
+def test_wide_quads_for_q8_0_unless_the_file_keeps_them_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gguf-q8 on a file with a tied Q8_0 table: the table (the head) in wide byte quads, times 8-bit activations,
+    its lookups the file's rows; with the file's Q8_0 tensors kept exact (``arithmetic.wide_quads`` False: a
+    measured file outside the rule that way), the head is the exact path's, bit for bit, from its own cache entry."""
+    path = tmp_path / "tiny-tied.gguf"
+    write_gguf(path, TYPES, tied=True)
+    exact = load_model(str(path), device="cpu", quantization="gguf")
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(2))
+    q8 = load_model(str(path), device="cpu", quantization="gguf-q8")
+    head, table = q8.model.lm_head, q8.model.model.embed_tokens
+    assert head.weight.type_summary() == "8bit/g32/x8" and head.data.data_ptr() == table.data.data_ptr()
+    weights = exact.model.lm_head.weight.dequantize()
+    assert torch.equal(head.weight.dequantize(), weights)
+    rounded = round_activations(hidden) @ weights.double().T
+    scale = (round_activations(hidden).abs() @ weights.double().abs().T).clamp_min(1e-30)
+    assert ((head(hidden).double() - rounded).abs() / scale).max() < 1e-5
+    monkeypatch.setenv(arithmetic.WIDE_QUADS_ENV, "0")
+    narrow = load_model(str(path), device="cpu", quantization="gguf-q8")
+    assert narrow.model.lm_head.weight.type_summary() == "8bit/g32"
+    assert torch.equal(narrow.model.lm_head(hidden), exact.model.lm_head(hidden))
+    assert narrow.model.model.layers[0].mlp.gate_up_proj.weight.type_summary() == "4bit/g32/x8+8bit/g32"
+    modes = sorted(
+        re.sub(r".*-w\d+-(.+)-v\d+\.safetensors", r"\1", p.name) for p in (tmp_path / "cache").iterdir()
+    )
+    assert modes == ["exact", "q8", "q8-narrow"], modes
 
 
 def test_a_dense_part_makes_its_fused_projection_dense(tmp_path: Path) -> None:

@@ -12,9 +12,10 @@ under AddressSanitizer in ``test_kernels_asan.py`` (slow), where a read past a b
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from test_gguf_blocks import assert_fp32_matmul, reference, round_activations
+from test_gguf_blocks import assert_fp32_matmul, reference, round_activations, wide_groups_of_16
 from tiny_models import random_blocks
 
 from tokenmill.model.gguf_blocks import FORMATS, QuantizedWeight, to_groups
@@ -39,11 +40,25 @@ PIECES_ROWS = (
 WIDE_K_ROWS = (1, 2, 8, 9, 13, 16, 17, 25, 31, 32, 34, 36, 61, 63, 64, 65, 66, 68, 129, 130)
 
 
-def _weights(type_names: tuple[str, ...], rows_each: int, in_features: int, tile_rows: int, q8: bool = False):
+def _weights(
+    type_names: tuple[str, ...],
+    rows_each: int,
+    in_features: int,
+    tile_rows: int,
+    q8: bool = False,
+    exact_rows: int = 0,
+):
+    """The types' random blocks stacked (then ``exact_rows`` of :func:`wide_groups_of_16`) and their weights."""
     raws = [random_blocks(t, rows_each, in_features, seed=i + 7) for i, t in enumerate(type_names)]
     groups = [to_groups(t, r, in_features) for t, r in zip(type_names, raws)]
+    weights = [reference(t, r, in_features) for t, r in zip(type_names, raws)]
+    if exact_rows:
+        extra = wide_groups_of_16(exact_rows, in_features, seed=5)
+        groups.append(extra)
+        values = extra.codes.view(np.int8).astype(np.float32) * extra.scale[..., None]
+        weights.append(torch.from_numpy(values.reshape(exact_rows, in_features)))
     weight = QuantizedWeight.from_groups(groups, tile_rows, int8_activations=q8)
-    w = torch.cat([reference(t, r, in_features) for t, r in zip(type_names, raws)])
+    w = torch.cat(weights)
     assert torch.equal(weight.dequantize(), w)
     return weight, w
 
@@ -83,22 +98,24 @@ def test_every_row_count_of_fused_mixed_types(kernel_variant) -> None:
     _sweep(kernel_variant, weight, w, IN_FEATURES, range(1, MAX_ROWS + 1), _exact)
 
 
-@pytest.mark.parametrize("byte_type", ["Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("byte_type", ["Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"])
 def test_every_row_count_of_the_8_bit_path(kernel_variant, byte_type: str) -> None:
-    """gguf-q8: a Q4_K part in the quad layout and an 8-bit part in byte quads (both times the rounded
-    activations), next to an exact Q8_0 part; parts not tile-aligned."""
+    """gguf-q8: a Q4_K part in the quad layout, an 8-bit part in byte quads (wide ones for the IQ4 types) and a
+    Q8_0 part in wide byte quads, all times the rounded activations, next to an exact part (8-bit groups of 16
+    spanning -128..127, which no quad layout takes); parts not tile-aligned."""
     width = kernel_variant.quant_tile_rows()
     n = width // 2 + 3
-    weight, w = _weights(("Q4_K", byte_type, "Q8_0"), n, IN_FEATURES, width, q8=True)
-    bits = 6 if byte_type == "Q6_K" else 5  # five bits a code where the codes fit
-    assert weight.type_summary().endswith(f"{bits}bit/g{FORMATS[byte_type].group}/x8+8bit/g32")
+    weight, w = _weights(("Q4_K", byte_type, "Q8_0"), n, IN_FEATURES, width, q8=True, exact_rows=n)
+    bits = {"Q6_K": 6, "IQ4_NL": 8, "IQ4_XS": 8}.get(byte_type, 5)  # five bits a code where the codes fit
+    group = FORMATS[byte_type].group
+    assert weight.type_summary() == f"4bit/g32/x8+{bits}bit/g{group}/x8+8bit/g32/x8+8bit/g16"
     x = torch.randn(MAX_ROWS, IN_FEATURES, generator=torch.Generator().manual_seed(3))
-    exp8, sc8 = _rounded(x, w[: 2 * n])
-    exp_exact, sc_exact = _exact(x, w[2 * n :])
+    exp8, sc8 = _rounded(x, w[: 3 * n])
+    exp_exact, sc_exact = _exact(x, w[3 * n :])
     for m in range(1, MAX_ROWS + 1):
         out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta).double()
-        assert ((out[:, : 2 * n] - exp8[:m]).abs() / sc8[:m]).max() < 1e-5, m
-        assert ((out[:, 2 * n :] - exp_exact[:m]).abs() / sc_exact[:m]).max() < 1e-5, m
+        assert ((out[:, : 3 * n] - exp8[:m]).abs() / sc8[:m]).max() < 1e-5, m
+        assert ((out[:, 3 * n :] - exp_exact[:m]).abs() / sc_exact[:m]).max() < 1e-5, m
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

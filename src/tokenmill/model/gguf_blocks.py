@@ -66,6 +66,12 @@ bits a code, for the formats whose codes fit (Q5_0, Q5_1, Q5_K, Q3_K, Q2_K; bias
 instead): the plane of low nibbles and a plane of fifth bits (:func:`_five_bit_quads`), 5 bytes per 8 codes, so Q5_0
 and Q5_1 (with an fp16 head) and Q5_K read their file's 5.5, 6 and 5.5 bits a weight. For ``int8_activations`` the
 loader writes the narrowest: five bits where the codes fit, else six.
+
+Layout 10 (``int8_activations``, the 8-bit groups of 32 without a min whose codes span -128..127: Q8_0, IQ4_NL,
+IQ4_XS) is layout 3 with the codes biased by :data:`WIDE_BYTE_QUAD_BIAS` instead ("wide" byte quads): vpdpbusd
+multiplies the stored bytes as they are and takes 128 times the activations' sum back; AVX2, whose ``vpmaddubsw``
+would saturate on such pairs, multiplies each code's magnitude by the activation given the code's sign (llama.cpp's
+way for Q8_0). With the fp16 head, Q8_0 in its file's 8.5 bits a weight.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED = 3, 4  # 8-bit codes in quads: la
 LAYOUT_QUADS_FACTORED = 5  # 4-bit codes in quads (layout 1's) with layout 2's units and multipliers
 LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED = 6, 7  # layouts 3 and 4 in six bits a code
 LAYOUT_FIVE_BIT_QUADS, LAYOUT_FIVE_BIT_QUADS_FACTORED = 8, 9  # layouts 3 and 4 in five bits a code
+LAYOUT_WIDE_BYTE_QUADS = 10  # layout 3 for codes across all of -128..127 (Q8_0, IQ4_NL, IQ4_XS)
 INT8_ACTIVATION_LAYOUTS = (
     LAYOUT_QUADS,
     LAYOUT_BYTE_QUADS,
@@ -92,6 +99,7 @@ INT8_ACTIVATION_LAYOUTS = (
     LAYOUT_SIX_BIT_QUADS_FACTORED,
     LAYOUT_FIVE_BIT_QUADS,
     LAYOUT_FIVE_BIT_QUADS_FACTORED,
+    LAYOUT_WIDE_BYTE_QUADS,
 )
 _FACTORED_LAYOUTS = (
     LAYOUT_FACTORED,
@@ -102,7 +110,13 @@ _FACTORED_LAYOUTS = (
 )
 _SIX_BIT_LAYOUTS = (LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED)
 _FIVE_BIT_LAYOUTS = (LAYOUT_FIVE_BIT_QUADS, LAYOUT_FIVE_BIT_QUADS_FACTORED)
-_BYTE_QUAD_LAYOUTS = (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED, *_SIX_BIT_LAYOUTS, *_FIVE_BIT_LAYOUTS)
+_BYTE_QUAD_LAYOUTS = (
+    LAYOUT_BYTE_QUADS,
+    LAYOUT_BYTE_QUADS_FACTORED,
+    *_SIX_BIT_LAYOUTS,
+    *_FIVE_BIT_LAYOUTS,
+    LAYOUT_WIDE_BYTE_QUADS,
+)
 # A flag on layouts 0, 1, 3, 6 and 8 (groups of 32): each group's scales and mins in fp16, not fp32 (the formats
 # without super-blocks keep them in fp16 in the file; an fp16 head reads the file's bytes)
 LAYOUT_FP16_HEAD = 16
@@ -112,8 +126,10 @@ _FP16_HEAD_LAYOUTS = (
     LAYOUT_BYTE_QUADS,
     LAYOUT_SIX_BIT_QUADS,
     LAYOUT_FIVE_BIT_QUADS,
+    LAYOUT_WIDE_BYTE_QUADS,
 )
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
+WIDE_BYTE_QUAD_BIAS = 128  # added to the codes (-128..127) of wide byte quads (layout 10)
 
 
 def five_bit_bias(fmt: BlockFormat) -> int:
@@ -122,12 +138,12 @@ def five_bit_bias(fmt: BlockFormat) -> int:
     return 0 if fmt.has_min else 16
 
 
-def _byte_quads(codes: np.ndarray) -> np.ndarray:
-    """Codes ``[T, G, group, W]`` (int8 values as bytes, -32..31) -> bytes ``[T, G, group / 4, W, 4]``: quad u's
-    byte 4c + j is row c's code at input 4u + j, plus :data:`BYTE_QUAD_BIAS`."""
+def _byte_quads(codes: np.ndarray, bias: int = BYTE_QUAD_BIAS) -> np.ndarray:
+    """Codes ``[T, G, group, W]`` (int8 values as bytes, -32..31, or any with ``bias`` 128) -> bytes
+    ``[T, G, group / 4, W, 4]``: quad u's byte 4c + j is row c's code at input 4u + j, plus ``bias``."""
     t, g, group, w = codes.shape
     quads = codes.reshape(t, g, group // 4, 4, w).transpose(0, 1, 2, 4, 3)  # [T, G, quad, W, input]
-    return (quads.view(np.int8).astype(np.int16) + BYTE_QUAD_BIAS).astype(np.uint8)
+    return (quads.view(np.int8).astype(np.int16) + bias).astype(np.uint8)
 
 
 def _five_bit_quads(quads: np.ndarray, bias: int) -> np.ndarray:
@@ -147,7 +163,9 @@ def _five_bit_quads(quads: np.ndarray, bias: int) -> np.ndarray:
 
 def _quad_codes(codes: np.ndarray, layout: int, fmt: BlockFormat) -> np.ndarray:
     """Codes ``[T, G, group, W]`` -> a byte-quad layout's code bytes (3 and 4: a byte, 6 and 7: six bits, 8 and 9:
-    five bits a code)."""
+    five bits a code, 10: a byte biased by :data:`WIDE_BYTE_QUAD_BIAS`)."""
+    if layout == LAYOUT_WIDE_BYTE_QUADS:
+        return _byte_quads(codes, WIDE_BYTE_QUAD_BIAS)
     quads = _byte_quads(codes)
     if layout in _SIX_BIT_LAYOUTS:
         return _six_bit_quads(quads)
@@ -189,6 +207,12 @@ def takes_five_bits(groups: Groups) -> bool:
         return False
     codes = groups.codes.view(np.int8).astype(np.int16) + five_bit_bias(groups.fmt)
     return codes.size == 0 or (int(codes.min()) >= 0 and int(codes.max()) < 32)
+
+
+def takes_wide_byte_quads(groups: Groups) -> bool:
+    """Whether an 8-bit part whose codes do not fit byte quads can be multiplied by 8-bit activations as wide byte
+    quads (layout 10: Q8_0, IQ4_NL, IQ4_XS): groups of 32 without a min."""
+    return groups.fmt == BlockFormat(8, 32, False)
 
 
 def takes_byte_quads(groups: Groups) -> bool:
@@ -501,10 +525,12 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
         layout &= ~LAYOUT_FP16_HEAD
         if layout not in _FP16_HEAD_LAYOUTS or not fp16_head(groups):
             raise ValueError(
-                f"an fp16 head takes layouts 0, 1, 3, 6 and 8 and fp16 scales, not layout {layout}"
+                f"an fp16 head takes layouts 0, 1, 3, 6, 8 and 10 and fp16 scales, not layout {layout}"
             )
         head_dtype = np.float16
-    if layout in _BYTE_QUAD_LAYOUTS and not takes_byte_quads(groups):
+    if layout == LAYOUT_WIDE_BYTE_QUADS and not takes_wide_byte_quads(groups):
+        raise ValueError(f"wide byte quads take 8-bit groups of 32 without a min, not {fmt}")
+    if layout in _BYTE_QUAD_LAYOUTS and layout != LAYOUT_WIDE_BYTE_QUADS and not takes_byte_quads(groups):
         raise ValueError(f"byte quads take 8-bit codes in -32..31 and K a multiple of 32, not {fmt}")
     if layout in _FIVE_BIT_LAYOUTS and not takes_five_bits(groups):
         raise ValueError(
@@ -680,17 +706,20 @@ class QuantizedWeight:
         int8_activations: bool = False,
         quad_bits: int = 5,
         fp16_heads: bool = True,
+        wide_quads: bool = True,
     ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
         ``tile_rows``: the kernels' panel width (``cpu.kernels.quant_tile_rows()``); any even number for the
         torch path alone. ``int8_activations``: 4-bit parts in the quad layout and 8-bit ones whose codes lie in
-        -32..31 in byte quads (the kernel then rounds the activations to 8 bits); other parts (Q8_0, IQ4) stay exact.
+        -32..31 in byte quads, those of 8-bit groups of 32 without a min (Q8_0, IQ4) in wide byte quads (the kernel
+        then rounds the activations to 8 bits); other parts stay exact.
         ``quad_bits``: the fewest bits a byte quad's code takes: 5 (the loader's) puts the codes that fit in five bits
         (layouts 8 and 9: Q5_0, Q5_1, Q5_K, Q3_K, Q2_K) and the others in six (layouts 6 and 7: Q6_K); 6 puts all in
         six; 8 keeps a byte a code (layouts 3 and 4). The same weights: ``benchmarks/decode_bytes.py`` times them
         side by side. ``fp16_heads``: groups of 32
         whose scales and mins are fp16 values keep them in fp16 (:data:`LAYOUT_FP16_HEAD`); False keeps fp32.
+        ``wide_quads``: False keeps the wide byte quads' formats (Q8_0, IQ4) exact under ``int8_activations``.
         """
         if quad_bits not in (5, 6, 8):
             raise ValueError(f"byte quads take 5, 6 or 8 bits a code, not {quad_bits}")
@@ -710,6 +739,8 @@ class QuantizedWeight:
                     else _SIX_BIT_LAYOUTS
                 )
                 layout = factored_layout if factored(g) else plain
+            elif int8_activations and wide_quads and takes_wide_byte_quads(g):
+                layout = LAYOUT_WIDE_BYTE_QUADS
             else:
                 layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
             bits = 6 if layout in _SIX_BIT_LAYOUTS else 5 if layout in _FIVE_BIT_LAYOUTS else g.fmt.bits
@@ -828,14 +859,15 @@ def _from_quad_codes(raw: torch.Tensor, layout: int, group: int, width: int, has
         return _from_six_bit_quads(raw, group, width)
     if layout in _FIVE_BIT_LAYOUTS:
         return _from_five_bit_quads(raw, group, width, has_min)
-    return _from_byte_quads(raw, group, width)
+    bias = WIDE_BYTE_QUAD_BIAS if layout == LAYOUT_WIDE_BYTE_QUADS else BYTE_QUAD_BIAS
+    return _from_byte_quads(raw, group, width, bias)
 
 
-def _from_byte_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:
-    """Byte-quad codes ``[T, G, group * W]`` (uint8) -> codes ``[T, G, group, W]`` as floats."""
+def _from_byte_quads(raw: torch.Tensor, group: int, width: int, bias: int = BYTE_QUAD_BIAS) -> torch.Tensor:
+    """Byte-quad codes ``[T, G, group * W]`` (uint8, biased by ``bias``) -> codes ``[T, G, group, W]`` as floats."""
     t, g = raw.shape[:2]
     quads = raw.reshape(t, g, group // 4, width, 4).permute(0, 1, 2, 4, 3)  # [T, G, quad, input, W]
-    return quads.reshape(t, g, group, width).float() - BYTE_QUAD_BIAS
+    return quads.reshape(t, g, group, width).float() - bias
 
 
 def _from_six_bit_quads(raw: torch.Tensor, group: int, width: int) -> torch.Tensor:

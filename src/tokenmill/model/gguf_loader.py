@@ -38,7 +38,7 @@ from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_d
 from tokenmill.model.weights_cache import file_identity, prune_dead_entries
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
-BLOCKS_CACHE_VERSION = 8  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
+BLOCKS_CACHE_VERSION = 9  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
 _TYPES_KEY = "gguf_tensor_types"
@@ -272,10 +272,13 @@ class GGUFFile:
             None,
         )  # fmt: skip
 
-    def blocks_cache_path(self, tile_rows: int, int8_activations: bool, requantized: bool = False) -> Path:
+    def blocks_cache_path(
+        self, tile_rows: int, int8_activations: bool, requantized: bool = False, wide_quads: bool = True
+    ) -> Path:
         """Where ``quantization="gguf"`` (``"gguf-q8"``, ``"gguf-q4"``) keeps this file's blocks rewritten for
-        tiles of ``tile_rows`` (the kernel variant's panel width)."""
+        tiles of ``tile_rows`` (the kernel variant's panel width); ``-narrow``: Q8_0 and IQ4 tensors kept exact."""
         mode = "q4" if requantized else "q8" if int8_activations else "exact"
+        mode += "" if wide_quads or not int8_activations else "-narrow"
         name = f"gguf-blocks-{self._identity}-w{tile_rows}-{mode}-v{BLOCKS_CACHE_VERSION}.safetensors"
         return self.cache_dir / name
 
@@ -352,24 +355,35 @@ class GGUFFile:
             types = sorted({t.tensor_type.name for t in self.reader().tensors})
         return [t for t in types if t in QUANTIZED_TYPES]
 
-    def default_arithmetic(self, kernel_variant: str | None) -> Any:
-        """``model/arithmetic.py``'s choice for this file (a :class:`~tokenmill.model.arithmetic.Choice`)."""
-        from tokenmill.model.arithmetic import choose
+    def _identity_fields(self) -> tuple[str, str, int]:
+        """What ``model/arithmetic.py`` knows a measured file by: architecture, general name, size in bytes."""
 
         def text(key: str) -> str:
             field = self.fields.get(key)
             return "" if field is None else str(field.contents())
 
-        size = self.path.stat().st_size
-        return choose(text("general.architecture"), text("general.name"), size, kernel_variant)
+        return text("general.architecture"), text("general.name"), self.path.stat().st_size
+
+    def default_arithmetic(self, kernel_variant: str | None) -> Any:
+        """``model/arithmetic.py``'s choice for this file (a :class:`~tokenmill.model.arithmetic.Choice`)."""
+        from tokenmill.model.arithmetic import choose
+
+        return choose(*self._identity_fields(), kernel_variant)
+
+    def wide_quads(self) -> bool:
+        """Whether 8-bit activations reach this file's Q8_0 and IQ4 tensors too (``arithmetic.wide_quads``)."""
+        from tokenmill.model.arithmetic import wide_quads
+
+        return wide_quads(*self._identity_fields())
 
     def load_quantized_model(
-        self, int8_activations: bool = False, requantize: bool = False
+        self, int8_activations: bool = False, requantize: bool = False, wide_quads: bool = True
     ) -> tuple[LlamaConfig, LlamaForCausalLM]:
         """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU.
         ``int8_activations`` (``"gguf-q8"``): 4-bit blocks in the layout of the 8-bit-activation kernel.
         ``requantize`` (``"gguf-q4"``, implies ``int8_activations``): the projections' blocks rounded to 4 bits
         first (:func:`~tokenmill.model.gguf_blocks.requantize_4bit`: approximate weights, fewer bytes).
+        ``wide_quads`` (with ``int8_activations``): False keeps the Q8_0 and IQ4 tensors exact (:meth:`wide_quads`).
 
         The first load rewrites the blocks (seconds: 18 s for a 1.5B) and writes them to a cache file; later
         loads map that file, so the weights are file pages shared with the page cache, read from disk once.
@@ -383,7 +397,8 @@ class GGUFFile:
         tile_rows = kernels[2] if kernels is not None else 8
         matmuls = None if kernels is None else (kernels[0], kernels[1])
         int8_activations = int8_activations or requantize
-        cache = self.blocks_cache_path(tile_rows, int8_activations, requantize)
+        wide_quads = wide_quads or not int8_activations  # without 8-bit activations nothing is rounded
+        cache = self.blocks_cache_path(tile_rows, int8_activations, requantize, wide_quads)
         header = _read_header(cache)
         if header is not None:
             config = _config_from_json(header[_CONFIG_KEY])
@@ -395,7 +410,9 @@ class GGUFFile:
                 name: groups if name in _KEPT_BY_REQUANTIZE else requantize_4bit(groups)
                 for name, groups in quantized.items()
             }
-        model = build_quantized_llama(config, dense, quantized, tile_rows, matmuls, int8_activations)
+        model = build_quantized_llama(
+            config, dense, quantized, tile_rows, matmuls, int8_activations, wide_quads
+        )
         del dense, quantized
         if not self._store(cache, quantized_state(model), config):
             return config, model

@@ -210,7 +210,9 @@ def _load_gguf(
     tokenizer = Tokenizer.from_gguf_reader(gguf_file, source=str(path))
     if quantization in GGUF_BLOCK_MODES:
         config, llama = gguf_file.load_quantized_model(
-            int8_activations=quantization == "gguf-q8", requantize=quantization == "gguf-q4"
+            int8_activations=quantization == "gguf-q8",
+            requantize=quantization == "gguf-q4",
+            wide_quads=gguf_file.wide_quads(),
         )
     else:
         config, llama = gguf_file.load_model(device, dtype)

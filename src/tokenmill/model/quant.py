@@ -220,6 +220,7 @@ def build_quantized_llama(
     tile_rows: int,
     kernels: tuple[QuantMatmul, QuantRows] | None,
     int8_activations: bool = False,
+    wide_quads: bool = True,
 ) -> LlamaForCausalLM:
     """A model whose projections, embedding and head are :class:`QuantizedLinear` / :class:`QuantizedEmbedding`
     where ``quantized`` (Hugging Face names) has them, fp32 from ``dense`` elsewhere (norms, biases, and weights
@@ -228,8 +229,8 @@ def build_quantized_llama(
     A fused projection takes its parts' formats side by side (q, k, v may differ, as in Q4_K_M files); if one
     part is dense, the whole projection is (its quantized parts dequantized: exact, only larger). A tied head
     shares the embedding's quantized bytes. ``int8_activations``: 4-bit parts in the quad layout and 8-bit parts
-    with codes in -32..31 in byte quads, multiplied by activations rounded to 8 bits (``gguf_blocks``); the
-    table's lookup gives the same fp32 rows either way.
+    in byte quads (wide ones for Q8_0 and IQ4), multiplied by activations rounded to 8 bits (``gguf_blocks``); the
+    table's lookup gives the same fp32 rows either way; ``wide_quads`` False keeps Q8_0 and IQ4 exact.
     """
     matmul, rows = kernels if kernels is not None else (None, None)
     with torch.device("meta"):
@@ -243,7 +244,7 @@ def build_quantized_llama(
             biases = [n.removesuffix(".weight") + ".bias" for n in names]
             bias = torch.cat([dense.pop(b) for b in biases]) if all(b in dense for b in biases) else None
             weight = QuantizedWeight.from_groups(
-                [quantized.pop(n) for n in names], tile_rows, int8_activations
+                [quantized.pop(n) for n in names], tile_rows, int8_activations, wide_quads=wide_quads
             )
             setattr(parent, attr, QuantizedLinear(weight, matmul, bias))
             consumed.update(names)
@@ -258,13 +259,15 @@ def build_quantized_llama(
             take(parent, attr, names)
     embed = quantized.pop("model.embed_tokens.weight", None)
     if embed is not None:
-        table = QuantizedWeight.from_groups([embed], tile_rows, int8_activations)
+        table = QuantizedWeight.from_groups([embed], tile_rows, int8_activations, wide_quads=wide_quads)
         model.model.embed_tokens = QuantizedEmbedding(table, rows)  # type: ignore[assignment]
         consumed.add("model.embed_tokens.weight")
         if config.tie_word_embeddings:
             model.lm_head = QuantizedLinear(table, matmul)  # type: ignore[assignment]
     if not config.tie_word_embeddings and "lm_head.weight" in quantized:
-        head = QuantizedWeight.from_groups([quantized.pop("lm_head.weight")], tile_rows, int8_activations)
+        head = QuantizedWeight.from_groups(
+            [quantized.pop("lm_head.weight")], tile_rows, int8_activations, wide_quads=wide_quads
+        )
         model.lm_head = QuantizedLinear(head, matmul)  # type: ignore[assignment]
         consumed.add("lm_head.weight")
     quantized.pop("lm_head.weight", None)  # a tied checkpoint's unused copy

@@ -23,10 +23,11 @@
 // above; layout 1 (4-bit only) orders each group's codes in quads for 8-bit activations (Q4Quad below; layout 5 is
 // layout 1 with layout 2's factored scales), layouts
 // 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad),
-// layouts 6 and 7 the same in six bits a code (the meta's bits: 6), layouts 8 and 9 in five (bits: 5);
+// layouts 6 and 7 the same in six bits a code (the meta's bits: 6), layouts 8 and 9 in five (bits: 5), layout 10
+// layout 3 for the 8-bit groups of 32 without a min whose codes span -128..127 (Q8_0, IQ4_NL, IQ4_XS: ByteQuad's kWide);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
 // and mins as multipliers of per-super-block fp16 units (Fmt's kFactored): the same values in the file's bytes.
-// Layouts 0, 1, 3, 6 and 8 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
+// Layouts 0, 1, 3, 6, 8 and 10 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
 // (Fmt's kHalf): the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), whose every scale and min
 // is an fp16 in the file, read in the file's bytes too.
 //
@@ -395,7 +396,7 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
     for (int64_t d = 0; d < F::kGroup; ++d) out[g * F::kGroup + d] = F::weight(tile, g, d, row);
 }
 
-// Meta's layout column: this flag on layouts 0, 1, 3, 6 and 8 keeps each group's scales and mins in fp16 (Fmt's kHalf).
+// Meta's layout column: this flag on layouts 0, 1, 3, 6, 8 and 10 keeps each group's scales and mins in fp16 (Fmt's kHalf).
 constexpr int64_t kLayoutFp16Head = 16;
 
 // Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
@@ -411,6 +412,7 @@ struct Q4QuadT : Fmt<4, 32, true, kFactored, kHalf> {
   using Base = Fmt<4, 32, true, kFactored, kHalf>;
   static constexpr int kNumQuads = 8;
   static constexpr int32_t kBias = 0;  // codes stored as they are
+  static constexpr int32_t kSumBias = 0;  // what the integer sums carry per unit of the activations' code sum
   static constexpr int64_t kQuadBytes = 2 * kPanel;
   static constexpr int kRows = kQ8Rows;  // rows per register block
   static constexpr int kRun = 1;         // dot adds each quad into Acc (int16 on AVX2 for the whole group)
@@ -442,17 +444,23 @@ using Q4Quad = Q4QuadT<false>;
 // kCodeBits 5 (meta layouts 8 and 9: codes that fit five bits, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K): 5 * kPanel / 2 bytes a
 // quad, the low nibbles' plane and one of fifth bits (simd::narrow_quad), the codes biased by 16 where they are
 // signed (no min: Q5_0's -16..15) and by 0 where not: Q5_0 and Q5_1 in their file's bytes.
-template <int Group, bool kMin, bool kFactored, int kCodeBits = 8, bool kHalf = false>
+// kWide (meta layout 10: Q8_0, IQ4_NL, IQ4_XS, codes anywhere in -128..127): bytes biased by 128, multiplied by
+// simd::qdot_wide (vpdpbusd as they are; on AVX2 the code's sign moves onto the activation), the sums carrying
+// simd::kWideSumBias times the activations' code sum.
+template <int Group, bool kMin, bool kFactored, int kCodeBits = 8, bool kHalf = false, bool kWide = false>
 struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
   static_assert(kCodeBits == 8 || kCodeBits == 6 || kCodeBits == 5, "byte quads are 8, 6 or 5 bits a code");
+  static_assert(!kWide || (kCodeBits == 8 && !kFactored), "wide byte quads are a byte a code, not factored");
   using Base = Fmt<kCodeBits, Group, kMin, kFactored, kHalf>;
   static constexpr int kNumQuads = Group / 4;
-  static constexpr int32_t kBias = kCodeBits == 5 ? (kMin ? 0 : 16) : 32;
+  static constexpr int32_t kBias = kWide ? 128 : kCodeBits == 5 ? (kMin ? 0 : 16) : 32;  // added to each code
+  static constexpr int32_t kSumBias = kWide ? simd::kWideSumBias : kBias;
   static constexpr int64_t kQuadBytes = kCodeBits * kPanel / 2;
   // rows per register block: on 16 registers the six-bit unpack's constants and temporaries leave room for 3 rows'
   // accumulators, not 4 (4 spilled: the 1.5B's head at 64 rows took 1.48x a byte quad's time on AVX2, 1.0x at 3)
   static constexpr int kRows = kCodeBits != 8 && simd::kNumRegs < 32 ? 3 : kQ8Rows;
-  static constexpr int kRun = simd::quad_run(kCodeBits);  // quads whose pair sums add up before joining int32 lanes
+  // quads whose pair sums add up before joining int32 lanes
+  static constexpr int kRun = kWide ? 1 : simd::quad_run(kCodeBits);
   static_assert(Base::kGroupBytes == Base::kHead + kNumQuads * kQuadBytes, "a group is its head and its quads");
   static void quad(const uint8_t* grp, int u, simd::QVec& w0, simd::QVec& w1) {
     const uint8_t* q = grp + Base::kHead + u * kQuadBytes;
@@ -462,7 +470,9 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
       simd::narrow_quad<kCodeBits>(q, w0, w1);
   }
   using Acc = simd::QAcc32;
-  static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot32(a, w, x); }
+  static Acc dot(Acc a, simd::QVec w, simd::QVec x) {
+    return kWide ? simd::qdot_wide(a, w, x) : simd::qdot32(a, w, x);
+  }
   static simd::Vec to_float(Acc a, int32_t offset) { return simd::qacc32_to_float(a, offset); }
   // the biased code of tile row r at input d (a byte 4r + d % 4 of its quad, the two QVecs' bytes in a row)
   static int32_t code(const uint8_t* q, int64_t r, int64_t d) {
@@ -591,10 +601,10 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const type
     const int64_t gx = g * F::kGroup / Q4Quad::kGroup;  // the activations' group of 32
     for (int r = 0; r < R; ++r) {
       const float s = x.scale[(m + r) * x.G + gx];
-      const int32_t sum = F::kBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
+      const int32_t sum = F::kSumBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
       const Vec xs = set1(s);
-      f0[r] = fmadd(F::to_float(a0[r], F::kBias * sum), mul(p.s0, xs), f0[r]);
-      f1[r] = fmadd(F::to_float(a1[r], F::kBias * sum), mul(p.s1, xs), f1[r]);
+      f0[r] = fmadd(F::to_float(a0[r], F::kSumBias * sum), mul(p.s0, xs), f0[r]);
+      f1[r] = fmadd(F::to_float(a1[r], F::kSumBias * sum), mul(p.s1, xs), f1[r]);
       if constexpr (F::kHasMin) {
         const Vec xm = set1(F::kGroup == Q4Quad::kGroup ? x.scaled_sum[(m + r) * x.G + gx] : s * float(sum));
         f0[r] = fmadd(p.m0, xm, f0[r]);
@@ -712,9 +722,9 @@ inline void set_quad_format(QuantPart& p) {
   p.tile_bytes = F::tile_bytes(p.num_groups);
 }
 
-template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false>
+template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false, bool kWide = false>
 inline void set_byte_quad(QuantPart& p) {
-  set_quad_format<ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf>>(p);
+  set_quad_format<ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf, kWide>>(p);
 }
 
 template <int kCodeBits>
@@ -751,28 +761,34 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
     QuantPart p;
     p.rows = rows, p.col = col, p.num_groups = k / group, p.group = group;
     p.num_tiles = (rows + kPanel - 1) / kPanel;
-    const bool six_bit = layout == 6 || layout == 7, five_bit = layout == 8 || layout == 9;
+    const bool six_bit = layout == 6 || layout == 7, five_bit = layout == 8 || layout == 9, wide = layout == 10;
     const int64_t code_bits = six_bit ? 6 : five_bit ? 5 : 8;
     const bool byte_quads = (layout == 3 || layout == 4 || six_bit || five_bit) && bits == code_bits &&
                             (group == 16 || group == 32) && k % 32 == 0;
+    const bool wide_quads = wide && bits == 8 && group == 32 && !has_min;
     const bool nibble_quads = (layout == 1 || layout == 5) && bits == 4 && group == 32 && has_min;
     const bool factored = layout == 2 || layout == 4 || layout == 5 || layout == 7 || layout == 9;
     TORCH_CHECK(layout == 0 || (layout == 1 && nibble_quads) || (layout == 5 && nibble_quads && k % 256 == 0) ||
                     ((layout == 2 || layout == 4 || layout == 7 || layout == 9) && k % 256 == 0) || layout == 3 ||
-                    layout == 6 || layout == 8,
+                    layout == 6 || layout == 8 || wide_quads,
                 "part ", i, ": layout ", layout,
                 " (0: input-major; 1: quads, 4-bit groups of 32 with a min only; 2: factored, K a multiple of 256;"
                 " 3, 4: byte quads of 8-bit groups of 16 or 32, K a multiple of 32, 4 factored as 2; 5: layout 1"
-                " factored as 2; 6, 7: layouts 3 and 4 in six bits a code; 8, 9: in five bits)");
-    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads, "part ", i, ": byte quads take ", code_bits,
+                " factored as 2; 6, 7: layouts 3 and 4 in six bits a code; 8, 9: in five bits; 10: wide byte quads,"
+                " 8-bit groups of 32 without a min)");
+    TORCH_CHECK(layout == 5 || layout < 3 || byte_quads || wide_quads, "part ", i, ": byte quads take ", code_bits,
                 "-bit groups of 16 or 32, K a multiple of 32");
-    TORCH_CHECK(!half || ((layout == 0 || layout == 1 || layout == 3 || layout == 6 || layout == 8) && group == 32),
+    TORCH_CHECK(!half || ((layout == 0 || layout == 1 || layout == 3 || layout == 6 || layout == 8 || wide) &&
+                          group == 32),
                 "part ", i, ": an fp16 head (layout flag ", kLayoutFp16Head,
-                ") takes layouts 0, 1, 3, 6 and 8, groups of 32");
+                ") takes layouts 0, 1, 3, 6, 8 and 10, groups of 32");
     if (nibble_quads) {
       q.has_q8 = true;
       factored ? set_quad_format<Q4QuadT<true>>(p)
                : (half ? set_quad_format<Q4QuadT<false, true>>(p) : set_quad_format<Q4Quad>(p));
+    } else if (wide_quads) {
+      q.has_q8 = true;
+      half ? set_byte_quad<32, false, false, 8, true, true>(p) : set_byte_quad<32, false, false, 8, false, true>(p);
     } else if (byte_quads) {
       q.has_q8 = true;
       if (five_bit)

@@ -142,6 +142,10 @@ inline QRun qrun_first(QVec codes, QVec x) { return dpbusd(_mm512_setzero_si512(
 inline QRun qrun_add(QRun s, QVec codes, QVec x) { return dpbusd(s, codes, x); }
 inline QAcc32 qrun_join(QAcc32 acc, QRun s) { return _mm512_add_epi32(acc, s); }
 inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// Wide byte quads (codes -128..127 stored plus 128: quant_linear.h's ByteQuad with kWide): vpdpbusd multiplies the
+// stored bytes as they are, and the kernel takes kWideSumBias times the activations' sum back.
+constexpr int32_t kWideSumBias = 128;
+inline QAcc32 qdot_wide(QAcc32 acc, QVec codes, QVec x) { return dpbusd(acc, codes, x); }
 // Byte quads in six or five bits a code (ByteQuad's planes: meta layouts 6 and 7, 8 and 9): two QVecs of codes in
 // 6 or 5 * kLanes bytes. The low plane, one QVec, holds the first's low nibbles (low half of each byte) and the
 // second's (high half); the high plane the rest of each code. Six bits: 2 * kLanes bytes of top bit pairs, byte j:
@@ -315,6 +319,16 @@ inline QAcc32 qrun_join(QAcc32 acc, QRun s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Wide byte quads (codes -128..127 stored plus 128): a pair of products of a stored byte (up to 255) and an
+// activation overflows vpmaddubsw's int16, so the code goes back to its sign (xor 128) and llama.cpp's sign trick
+// multiplies |code| (unsigned, at most 128) by the activation given the code's sign: a pair at most
+// 2 * 128 * 127 = 32,512. The sums carry no bias (kWideSumBias 0), each quad's pairs join the int32 lanes at once.
+constexpr int32_t kWideSumBias = 0;
+inline QAcc32 qdot_wide(QAcc32 acc, QVec codes, QVec x) {
+  const __m256i c = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 // Byte quads in six or five bits a code, as on AVX-512 with 128-bit halves (six) or 64-bit lanes (five).
 template <int kCodeBits>
 inline void narrow_quad(const uint8_t* p, QVec& w0, QVec& w1) {
@@ -504,6 +518,9 @@ inline QVec byte_quad(const uint8_t* p) {
   std::memcpy(&r, p, sizeof(r));
   return r;
 }
+// Wide byte quads (codes -128..127 stored plus 128): int32 sums of the stored bytes, as on AVX-512.
+constexpr int32_t kWideSumBias = 128;
+inline QAcc32 qdot_wide(QAcc32 acc, QVec codes, QVec x) { return qdot(acc, codes, x); }
 // Byte quads in six or five bits a code, as on AVX-512, byte by byte.
 template <int kCodeBits>
 inline void narrow_quad(const uint8_t* p, QVec& w0, QVec& w1) {
