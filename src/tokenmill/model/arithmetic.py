@@ -9,8 +9,9 @@ the models measured below.
 The rule: llama.cpp's arithmetic is a model's default where ``benchmarks/arithmetic_quality.py`` measured its
 perplexity rising at most :data:`MAX_PERPLEXITY_RISE_PCT` on every text and top-1 agreement with the exact path at
 least :data:`MIN_TOP1_AGREEMENT_PCT`; a measured model outside it keeps the exact path, and one within it only
-with its Q8_0 and IQ4 tensors on the exact path keeps those there (:attr:`Measured.wide_exact`, :func:`wide_quads`). A file not measured here
-gets llama.cpp's arithmetic, the one every other GGUF runner gives it (the benchmark measures it:
+with its Q8_0 and IQ4 tensors on the exact path keeps those there (:attr:`Measured.wide_exact`,
+:func:`wide_quads`). A file not measured here gets llama.cpp's arithmetic, the one every other GGUF runner gives
+it, Q8_0 and IQ4 tensors included (the benchmark measures it:
 ``python -m benchmarks.arithmetic_quality --model PATH``). Without an integer dot-product kernel (the portable
 ``base`` build computes it in plain loops) the exact path stays.
 
