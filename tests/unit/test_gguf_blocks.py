@@ -586,7 +586,8 @@ def test_wide_byte_quads_extreme_codes_and_activations(kernel_variant, sign: int
     scale = np.full((rows, in_features // 32), 0.5, np.float32)
     groups = Groups(fmt, codes.view(np.uint8), scale, None)
     weight = QuantizedWeight.from_groups([groups], kernel_variant.quant_tile_rows(), int8_activations=True)
-    assert weight.type_summary() == "8bit/g32/x8" and int(weight.meta[0, 8]) & ~LAYOUT_FP16_HEAD == 10
+    assert weight.type_summary() == "8bit/g32/x8"
+    assert int(weight.meta[0, 8]) & ~LAYOUT_FP16_HEAD == LAYOUT_WIDE_BYTE_QUADS
     x = torch.full((2, in_features), float(sign))  # codes +-127, s = 1 / 127
     x[1, 1::2] = -sign
     out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()

@@ -40,10 +40,10 @@ and Q5_K's, six bits each, as the file keeps them: :func:`packed_multipliers`), 
 same values bit for bit: Q4_K in its file's 4.5 bits a weight instead of 6, Q6_K's scales in its file's bytes too.
 :func:`factored` checks each tensor's products are exact before it takes this layout, else it keeps layout 0.
 
-Flag 16 on layouts 0, 1, 3 and 6 (:data:`LAYOUT_FP16_HEAD`) keeps a group's scales and mins in fp16 instead of fp32:
-the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) hold each as an fp16 in the file, so with
-the flag they read the file's bytes too (Q4_1: 20 bytes a group of 32 against 24). :func:`fp16_head` checks every
-value is one (Q4_0's min is ``-8 d``, exact unless it overflows).
+Flag 16 on layouts 0, 1, 3, 6, 8 and 10 (:data:`LAYOUT_FP16_HEAD`) keeps a group's scales and mins in fp16
+instead of fp32: the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) hold each as an fp16 in
+the file, so with the flag they read the file's bytes too (Q4_1: 20 bytes a group of 32 against 24).
+:func:`fp16_head` checks every value is one (Q4_0's min is ``-8 d``, exact unless it overflows).
 
 Layout 1 (``int8_activations``, 4-bit parts only) keeps the same scales, mins and codes in another order, for
 the kernel that rounds the activations to 8 bits per group of 32 and multiplies with integer dot products
@@ -117,7 +117,7 @@ _BYTE_QUAD_LAYOUTS = (
     *_FIVE_BIT_LAYOUTS,
     LAYOUT_WIDE_BYTE_QUADS,
 )
-# A flag on layouts 0, 1, 3, 6 and 8 (groups of 32): each group's scales and mins in fp16, not fp32 (the formats
+# A flag on layouts 0, 1, 3, 6, 8 and 10 (groups of 32): each group's scales and mins in fp16, not fp32 (the formats
 # without super-blocks keep them in fp16 in the file; an fp16 head reads the file's bytes)
 LAYOUT_FP16_HEAD = 16
 _FP16_HEAD_LAYOUTS = (

@@ -24,7 +24,7 @@
 // layout 1 with layout 2's factored scales), layouts
 // 3 and 4 (8-bit codes in -32..31) are layout 0's and layout 2's groups with their codes in quads too (ByteQuad),
 // layouts 6 and 7 the same in six bits a code (the meta's bits: 6), layouts 8 and 9 in five (bits: 5), layout 10
-// layout 3 for the 8-bit groups of 32 without a min whose codes span -128..127 (Q8_0, IQ4_NL, IQ4_XS: ByteQuad's kWide);
+// is layout 3 for 8-bit groups of 32 without a min whose codes span -128..127 (Q8_0, IQ4_NL, IQ4_XS: ByteQuad kWide);
 // layout 2 (the K-quants, whose scales are a super-block's fp16 times a small integer) stores each group's scales
 // and mins as multipliers of per-super-block fp16 units (Fmt's kFactored): the same values in the file's bytes.
 // Layouts 0, 1, 3, 6, 8 and 10 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
