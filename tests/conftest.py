@@ -54,6 +54,18 @@ def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     return module
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Each test ends with torch's thread count as it found it: an engine's thread governor sets the process-wide
+    count (one thread where it measured one faster), which would otherwise carry into every later test."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
 class HFFromGGUF:
     """transformers' own reading of GGUF files, the independent reference, with each file parsed once a session.
 
