@@ -572,8 +572,9 @@ class Engine:
             room = self.scheduler_config.max_num_seqs - self.scheduler.num_running
             self.kv_disk.promote(self.kv_manager, self.scheduler.waiting, room)
         scheduler_output = self.scheduler.schedule(now_s=self.clock())
-        if self.thread_governor is not None and scheduler_output.rows:
-            self.thread_governor.begin_step(step_kind(scheduler_output.rows))
+        kind = step_kind(scheduler_output.rows) if scheduler_output.rows else ""  # "": an idle step
+        if self.thread_governor is not None and kind:
+            self.thread_governor.begin_step(kind)
         result = StepResult(record=scheduler_output.record)
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -593,15 +594,14 @@ class Engine:
         for request_id, vector in runner_output.pooled.items():
             self._requests[request_id].set_embedding(vector)
         result = self._report(result, touched, now_s)
-        if self.roofline is not None and scheduler_output.rows:
+        if self.roofline is not None and kind:
             step_s = time.perf_counter() - start_s
-            kind, bound_s = step_kind(scheduler_output.rows), self.roofline.bound_s(scheduler_output.rows)
+            bound_s = self.roofline.bound_s(scheduler_output.rows)
             self.stats.add_roofline(kind, bound_s, step_s)
             result.roofline_kind, result.roofline_fraction = kind, bound_s / step_s
-        if self.thread_governor is not None and self._governor_roofline is not None and scheduler_output.rows:
-            rows = scheduler_output.rows
-            bound_s = self._governor_roofline.bound_s(rows)
-            self.thread_governor.observe(step_kind(rows), bound_s, time.perf_counter() - start_s)
+        if self.thread_governor is not None and self._governor_roofline is not None and kind:
+            bound_s = self._governor_roofline.bound_s(scheduler_output.rows)
+            self.thread_governor.observe(kind, bound_s, time.perf_counter() - start_s)
         return result
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:

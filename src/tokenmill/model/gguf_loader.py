@@ -276,9 +276,10 @@ class GGUFFile:
         self, tile_rows: int, int8_activations: bool, requantized: bool = False, wide_quads: bool = True
     ) -> Path:
         """Where ``quantization="gguf"`` (``"gguf-q8"``, ``"gguf-q4"``) keeps this file's blocks rewritten for
-        tiles of ``tile_rows`` (the kernel variant's panel width); ``-narrow``: Q8_0 and IQ4 tensors kept exact."""
+        tiles of ``tile_rows`` (the kernel variant's panel width); ``-narrow``: Q8_0 and IQ4 tensors kept exact under
+        ``int8_activations`` (``wide_quads`` False; load_quantized_model passes True without them)."""
         mode = "q4" if requantized else "q8" if int8_activations else "exact"
-        mode += "" if wide_quads or not int8_activations else "-narrow"
+        mode += "" if wide_quads else "-narrow"
         name = f"gguf-blocks-{self._identity}-w{tile_rows}-{mode}-v{BLOCKS_CACHE_VERSION}.safetensors"
         return self.cache_dir / name
 

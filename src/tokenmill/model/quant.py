@@ -239,13 +239,14 @@ def build_quantized_llama(
     dense = dict(dense)
     consumed: set[str] = set()  # HF names the quantized modules took
 
+    def pack(parts: list[Groups]) -> QuantizedWeight:
+        return QuantizedWeight.from_groups(parts, tile_rows, int8_activations, wide_quads=wide_quads)
+
     def take(parent: nn.Module, attr: str, names: list[str]) -> None:
         if all(n in quantized for n in names):
             biases = [n.removesuffix(".weight") + ".bias" for n in names]
             bias = torch.cat([dense.pop(b) for b in biases]) if all(b in dense for b in biases) else None
-            weight = QuantizedWeight.from_groups(
-                [quantized.pop(n) for n in names], tile_rows, int8_activations, wide_quads=wide_quads
-            )
+            weight = pack([quantized.pop(n) for n in names])
             setattr(parent, attr, QuantizedLinear(weight, matmul, bias))
             consumed.update(names)
             consumed.update(biases if bias is not None else ())
@@ -259,15 +260,13 @@ def build_quantized_llama(
             take(parent, attr, names)
     embed = quantized.pop("model.embed_tokens.weight", None)
     if embed is not None:
-        table = QuantizedWeight.from_groups([embed], tile_rows, int8_activations, wide_quads=wide_quads)
+        table = pack([embed])
         model.model.embed_tokens = QuantizedEmbedding(table, rows)  # type: ignore[assignment]
         consumed.add("model.embed_tokens.weight")
         if config.tie_word_embeddings:
             model.lm_head = QuantizedLinear(table, matmul)  # type: ignore[assignment]
     if not config.tie_word_embeddings and "lm_head.weight" in quantized:
-        head = QuantizedWeight.from_groups(
-            [quantized.pop("lm_head.weight")], tile_rows, int8_activations, wide_quads=wide_quads
-        )
+        head = pack([quantized.pop("lm_head.weight")])
         model.lm_head = QuantizedLinear(head, matmul)  # type: ignore[assignment]
         consumed.add("lm_head.weight")
     quantized.pop("lm_head.weight", None)  # a tied checkpoint's unused copy
