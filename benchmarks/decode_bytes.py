@@ -13,8 +13,8 @@ process: the read bandwidth (``model/hardware.py``'s probe, the same threads), s
 off). Rounds alternate the rows, so a noisy neighbour spreads
 over all of them. Printed per row: the weights' MB a step reads (``quant.decode_read_bytes``) and their ratio to
 the file's tensors other than the token embedding, tokens/s, the bytes/s that makes, and its fraction of the
-bandwidth. (``byte`` applies only to llama.cpp's arithmetic, ``gguf-q8``: the exact path's own layout is a byte a
-code, shown as ``byte``.)
+bandwidth. Every layout applies to both arithmetics: the exact path reads the same narrow quads (``byte`` is its
+layout of a byte a code).
 """
 
 from __future__ import annotations
@@ -82,14 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.model.registry import resolve
 
     path = str(Path(resolve(args.model)).resolve())
-    layouts = args.layouts.split(",")
-    # the exact path's own layout is a byte a code; its fp32-heads row where asked
-    exact_layouts = ["byte", *(name for name in layouts if name == "fp32-heads")]
     rows = [
         (variant, arithmetic, layout)
         for variant in args.variants.split(",")
         for arithmetic in args.arithmetics.split(",")
-        for layout in (layouts if arithmetic == "gguf-q8" else exact_layouts)
+        for layout in args.layouts.split(",")
     ]
     print(
         f"{cpu_name()}, {os.cpu_count()} cores; {Path(path).name}; {args.tokens} tokens, best of 3 per round"

@@ -17,6 +17,7 @@ from tokenmill.model.gguf_blocks import (
     FORMATS,
     LAYOUT_BYTE_QUADS,
     LAYOUT_BYTE_QUADS_FACTORED,
+    LAYOUT_EXACT_QUADS,
     LAYOUT_FACTORED,
     LAYOUT_FIVE_BIT_QUADS,
     LAYOUT_FIVE_BIT_QUADS_FACTORED,
@@ -99,8 +100,9 @@ def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, t
     in_features = 2 * 256
     raw = random_blocks(type_name, width + 5, in_features, seed=11)
     groups = to_groups(type_name, raw, in_features)
-    small = QuantizedWeight.from_groups([groups], width)
-    plain = QuantizedWeight.from_groups([groups._replace(scale_unit=None, min_unit=None)], width)
+    # a byte a code (quad_bits=8): layouts 2 and 0 (the narrow quads' bytes: the next test)
+    small = QuantizedWeight.from_groups([groups], width, quad_bits=8)
+    plain = QuantizedWeight.from_groups([groups._replace(scale_unit=None, min_unit=None)], width, quad_bits=8)
     assert int(small.meta[0, 8]) == LAYOUT_FACTORED and int(plain.meta[0, 8]) == LAYOUT_INPUTS
     # per row and group: 4 bytes a field before; now a byte a field (1.5 bytes for both fields of 6 bits), plus
     # 2 bytes a field per 256 inputs
@@ -112,6 +114,50 @@ def test_factored_layout_holds_the_same_weights_in_fewer_bytes(kernel_variant, t
     assert torch.equal(small.dequantize(), plain.dequantize())
     assert torch.equal(small.dequantize(), reference(type_name, raw, in_features))
     assert_same_outputs(kernel_variant, small, plain, seed=5, ids=[0, width + 4, 3, width])
+
+
+NARROW_TYPES = ("Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")  # codes that fit six or five bits
+
+
+@pytest.mark.parametrize("type_name", NARROW_TYPES)
+def test_exact_path_reads_narrow_quads_in_the_files_bits(kernel_variant, type_name: str) -> None:
+    """The exact path's layout for the formats whose codes fit six or five bits: the 8-bit path's narrow quads
+    (layouts 6 to 9) flagged exact, fewer bytes than a byte a code, the same weights, and the same output bits as
+    the byte-a-code layouts on every path and in the row lookup."""
+    width = kernel_variant.quant_tile_rows()
+    in_features = 2 * 256
+    raw = random_blocks(type_name, width + 5, in_features, seed=13)
+    groups = to_groups(type_name, raw, in_features)
+    narrow = QuantizedWeight.from_groups([groups], width)
+    wide = QuantizedWeight.from_groups([groups], width, quad_bits=8)
+    layout = int(narrow.meta[0, 8])
+    five = type_name != "Q6_K"
+    base = (
+        (LAYOUT_FIVE_BIT_QUADS, LAYOUT_FIVE_BIT_QUADS_FACTORED)
+        if five
+        else (LAYOUT_SIX_BIT_QUADS, LAYOUT_SIX_BIT_QUADS_FACTORED)
+    )
+    assert layout & LAYOUT_EXACT_QUADS and layout & ~(LAYOUT_EXACT_QUADS | LAYOUT_FP16_HEAD) in base
+    assert int(narrow.meta[0, 3]) == (5 if five else 6) and not narrow.int8_activations
+    assert narrow.type_summary() == f"{5 if five else 6}bit/g{FORMATS[type_name].group}"
+    code_bytes = 2 * width * in_features  # two tiles, a byte a code
+    assert wide.data.numel() - narrow.data.numel() == code_bytes * (3 if five else 2) // 8
+    assert torch.equal(narrow.dequantize(), reference(type_name, raw, in_features))
+    assert torch.equal(narrow.dequantize(), wide.dequantize())
+    assert_same_outputs(kernel_variant, narrow, wide, seed=7, ids=[0, width + 4, 3, width])
+
+
+def test_exact_flag_is_refused_outside_the_narrow_quads(kernel_variant) -> None:
+    """Flag 32 on a layout other than 6 to 9: a ValueError when packing, a RuntimeError in the kernel."""
+    width = kernel_variant.quant_tile_rows()
+    groups = to_groups("Q4_K", random_blocks("Q4_K", width, 256, seed=1), 256)
+    with pytest.raises(ValueError, match="layouts 6 to 9"):
+        pack_groups(groups, width, LAYOUT_FACTORED | LAYOUT_EXACT_QUADS)
+    weight = QuantizedWeight.from_groups([groups], width)
+    meta = weight.meta.clone()
+    meta[0, 8] |= LAYOUT_EXACT_QUADS
+    with pytest.raises(RuntimeError, match="takes layouts 6 to 9"):
+        kernel_variant.quant_linear(torch.zeros(1, 256), weight.data, meta)
 
 
 def assert_same_outputs(kernel, a: QuantizedWeight, b: QuantizedWeight, seed: int, ids: list[int]) -> None:
@@ -243,7 +289,7 @@ def test_fused_parts_of_different_types(kernel_variant) -> None:
     groups = [to_groups(t, r, in_features) for t, r in zip(types, raws)]
     weight = QuantizedWeight.from_groups(groups, kernel_variant.quant_tile_rows())
     w = torch.cat([reference(t, r, in_features) for t, r in zip(types, raws)])
-    assert weight.type_summary() == "4bit/g32+4bit/g32+8bit/g16"
+    assert weight.type_summary() == "4bit/g32+4bit/g32+6bit/g16"
     assert torch.equal(weight.dequantize(), w)
     x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0))
     assert_fp32_matmul(kernel_variant.quant_linear(x, weight.data, weight.meta), x, w)

@@ -128,6 +128,9 @@ _FP16_HEAD_LAYOUTS = (
     LAYOUT_FIVE_BIT_QUADS,
     LAYOUT_WIDE_BYTE_QUADS,
 )
+# A flag on the narrow byte-quad layouts (6 to 9): the same bytes multiplied by fp32 activations (the exact path)
+LAYOUT_EXACT_QUADS = 32
+_EXACT_QUAD_LAYOUTS = (*_SIX_BIT_LAYOUTS, *_FIVE_BIT_LAYOUTS)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
 WIDE_BYTE_QUAD_BIAS = 128  # added to the codes (-128..127) of wide byte quads (layout 10)
 
@@ -521,6 +524,10 @@ def pack_groups(groups: Groups, tile_rows: int, layout: int = LAYOUT_INPUTS) -> 
 
     half = tile_rows // 2
     head_dtype = np.float32
+    if layout & LAYOUT_EXACT_QUADS:
+        layout &= ~LAYOUT_EXACT_QUADS
+        if layout & ~LAYOUT_FP16_HEAD not in _EXACT_QUAD_LAYOUTS:
+            raise ValueError(f"the exact path's quads take layouts 6 to 9, not layout {layout}")
     if layout & LAYOUT_FP16_HEAD:
         layout &= ~LAYOUT_FP16_HEAD
         if layout not in _FP16_HEAD_LAYOUTS or not fp16_head(groups):
@@ -741,11 +748,18 @@ class QuantizedWeight:
                 layout = factored_layout if factored(g) else plain
             elif int8_activations and wide_quads and takes_wide_byte_quads(g):
                 layout = LAYOUT_WIDE_BYTE_QUADS
+            elif not int8_activations and quad_bits != 8 and takes_byte_quads(g):
+                # the file's bits for the exact path too (flagged below)
+                five = quad_bits == 5 and takes_five_bits(g)
+                plain, factored_layout = _FIVE_BIT_LAYOUTS if five else _SIX_BIT_LAYOUTS
+                layout = factored_layout if factored(g) else plain
             else:
                 layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
             bits = 6 if layout in _SIX_BIT_LAYOUTS else 5 if layout in _FIVE_BIT_LAYOUTS else g.fmt.bits
             if fp16_heads and layout in _FP16_HEAD_LAYOUTS and fp16_head(g):
                 layout |= LAYOUT_FP16_HEAD
+            if not int8_activations and layout & ~LAYOUT_FP16_HEAD in _EXACT_QUAD_LAYOUTS:
+                layout |= LAYOUT_EXACT_QUADS
             packed = pack_groups(g, tile_rows, layout)
             rows = g.codes.shape[0]
             meta.append(
@@ -771,6 +785,7 @@ class QuantizedWeight:
         """The fp32 weight ``[out, in]`` (or its ``rows``), in plain torch: the reference and the fallback."""
         out = []
         for offset, n, k, bits, group, has_min, _, width, layout in self.meta.tolist():
+            layout &= ~LAYOUT_EXACT_QUADS  # the same bytes either way
             num_groups, num_tiles = k // group, -(-n // width)
             if layout in _FACTORED_LAYOUTS:
                 out.append(self._dequantize_factored(offset, n, k, bits, group, has_min, width, layout))

@@ -38,7 +38,7 @@ from tokenmill.model.llama import LlamaForCausalLM, build_llama, fuse_hf_state_d
 from tokenmill.model.weights_cache import file_identity, prune_dead_entries
 
 CACHE_FORMAT_VERSION = 1  # bump when the conversion changes: old cache files are then ignored
-BLOCKS_CACHE_VERSION = 9  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
+BLOCKS_CACHE_VERSION = 10  # likewise for the rewritten blocks (gguf_blocks' layout, quant.quantized_state)
 _CONFIG_KEY = "tokenmill_config"
 _FIELDS_KEY = "gguf_fields"
 _TYPES_KEY = "gguf_tensor_types"

@@ -162,6 +162,7 @@ struct Fmt {
       q0 = i8_to_float(c), q1 = i8_to_float(c + kLanes);
   }
   static constexpr bool kHasMin = kMin;
+  static constexpr bool kQuads = false;  // codes in quads of 4 inputs (QuadExact), read a quad at a time
   // group g's share of the stream, kQPrefetchBytes ahead: its bytes, or (factored) its 1/kPerSuper of its
   // super-block, head included, so the heads are fetched ahead as the codes are.
   static void prefetch(const uint8_t* tile, int64_t g) {
@@ -227,12 +228,17 @@ inline void fused_row(const float* x, const float* xsum, const uint8_t* tile, in
     Vec t0[kQSplit], t1[kQSplit];
     for (int s = 0; s < kQSplit; ++s) t0[s] = t1[s] = zero();
     for (int64_t d = 0; d < F::kGroup; d += kQSplit) {
+      Vec q0[kQSplit], q1[kQSplit];
+      if constexpr (F::kQuads) {
+        static_assert(kQSplit == 4, "a quad is kQSplit inputs");
+        F::quad_codes(grp, int(d / 4), q0, q1);
+      } else {
+        for (int s = 0; s < kQSplit; ++s) F::codes(grp, d + s, q0[s], q1[s]);
+      }
       for (int s = 0; s < kQSplit; ++s) {
-        Vec q0, q1;
-        F::codes(grp, d + s, q0, q1);
         const Vec xv = set1(xg[d + s]);
-        t0[s] = fmadd(xv, q0, t0[s]);
-        t1[s] = fmadd(xv, q1, t1[s]);
+        t0[s] = fmadd(xv, q0[s], t0[s]);
+        t1[s] = fmadd(xv, q1[s], t1[s]);
       }
     }
     for (int s = 1; s < kQSplit; ++s) t0[0] = add(t0[0], t0[s]), t1[0] = add(t1[0], t1[s]);
@@ -263,13 +269,26 @@ inline void fused_rows(const float* x, int64_t lda, const float* xsum, int64_t l
     const float* xg = x + g * F::kGroup;
     Vec t0[R], t1[R];
     for (int r = 0; r < R; ++r) t0[r] = t1[r] = zero();
-    for (int64_t d = 0; d < F::kGroup; ++d) {
-      Vec q0, q1;
-      F::codes(grp, d, q0, q1);
-      for (int r = 0; r < R; ++r) {
-        const Vec xv = set1(xg[r * lda + d]);
-        t0[r] = fmadd(xv, q0, t0[r]);
-        t1[r] = fmadd(xv, q1, t1[r]);
+    if constexpr (F::kQuads) {
+      for (int u = 0; u < F::kGroup / 4; ++u) {
+        Vec q0[4], q1[4];
+        F::quad_codes(grp, u, q0, q1);
+        for (int j = 0; j < 4; ++j)
+          for (int r = 0; r < R; ++r) {
+            const Vec xv = set1(xg[r * lda + 4 * u + j]);
+            t0[r] = fmadd(xv, q0[j], t0[r]);
+            t1[r] = fmadd(xv, q1[j], t1[r]);
+          }
+      }
+    } else {
+      for (int64_t d = 0; d < F::kGroup; ++d) {
+        Vec q0, q1;
+        F::codes(grp, d, q0, q1);
+        for (int r = 0; r < R; ++r) {
+          const Vec xv = set1(xg[r * lda + d]);
+          t0[r] = fmadd(xv, q0, t0[r]);
+          t1[r] = fmadd(xv, q1, t1[r]);
+        }
       }
     }
     const auto p = F::params(tile, g);
@@ -306,10 +325,22 @@ inline void expand_groups(const uint8_t* tile, int64_t g0, int64_t g1, float* pa
     F::prefetch(tile, g);
     const auto p = F::params(tile, g);
     float* out = panel + (g - g0) * F::kGroup * kPanel;
-    for (int64_t d = 0; d < F::kGroup; ++d) {
-      simd::Vec w0, w1;
-      F::expand(grp, d, p, w0, w1);
-      simd::store(out + d * kPanel, w0), simd::store(out + d * kPanel + simd::kLanes, w1);
+    if constexpr (F::kQuads) {
+      for (int u = 0; u < F::kGroup / 4; ++u) {
+        simd::Vec q0[4], q1[4];
+        F::quad_codes(grp, u, q0, q1);
+        for (int j = 0; j < 4; ++j) {
+          simd::Vec w0, w1;
+          F::scale_codes(q0[j], q1[j], p, w0, w1);
+          simd::store(out + (4 * u + j) * kPanel, w0), simd::store(out + (4 * u + j) * kPanel + simd::kLanes, w1);
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < F::kGroup; ++d) {
+        simd::Vec w0, w1;
+        F::expand(grp, d, p, w0, w1);
+        simd::store(out + d * kPanel, w0), simd::store(out + d * kPanel + simd::kLanes, w1);
+      }
     }
   }
 }
@@ -398,6 +429,8 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
 
 // Meta's layout column: this flag on layouts 0, 1, 3, 6, 8 and 10 keeps each group's scales and mins in fp16 (Fmt's kHalf).
 constexpr int64_t kLayoutFp16Head = 16;
+// and this one on layouts 6 to 9 multiplies their byte quads by the fp32 activations (QuadExact), not rounded ones.
+constexpr int64_t kLayoutExactQuads = 32;
 
 // Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
 constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
@@ -495,6 +528,31 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
   static float weight(const uint8_t* tile, int64_t g, int64_t d, int64_t r) {
     const uint8_t* q = Base::group(tile, g) + Base::kHead + (d / 4) * kQuadBytes;
     return Base::scaled(tile, g, r, static_cast<float>(code(q, r, d) - kBias));
+  }
+};
+
+// A byte-quad format Q (ByteQuad: meta layouts 6 to 9 with flag kLayoutExactQuads) read by the exact path: the
+// same bytes, each quad's codes converted to fp32 for the four inputs at once (simd::quad_input), then as Fmt's
+// input-major codes: code * scale (+ min), one rounding, the fp32 weights of layout 0 bit for bit. Q6_K and the
+// five-bit formats in their file's bits for fp32 activations too.
+template <class Q>
+struct QuadExact : Q {
+  static constexpr bool kQuads = true;
+  // quad u's four inputs: q0[j] the codes of rows 0 .. kLanes - 1 at input 4u + j, q1[j] the rest, unbiased
+  static void quad_codes(const uint8_t* grp, int u, simd::Vec q0[4], simd::Vec q1[4]) {
+    simd::QVec w0, w1;
+    Q::quad(grp, u, w0, w1);
+    q0[0] = simd::quad_input<0>(w0, Q::kBias), q1[0] = simd::quad_input<0>(w1, Q::kBias);
+    q0[1] = simd::quad_input<1>(w0, Q::kBias), q1[1] = simd::quad_input<1>(w1, Q::kBias);
+    q0[2] = simd::quad_input<2>(w0, Q::kBias), q1[2] = simd::quad_input<2>(w1, Q::kBias);
+    q0[3] = simd::quad_input<3>(w0, Q::kBias), q1[3] = simd::quad_input<3>(w1, Q::kBias);
+  }
+  // one input's codes as weights, as Fmt::expand
+  static void scale_codes(simd::Vec q0, simd::Vec q1, const typename Q::Params& p, simd::Vec& w0, simd::Vec& w1) {
+    if constexpr (Q::kHasMin)
+      w0 = simd::fmadd(q0, p.s0, p.m0), w1 = simd::fmadd(q1, p.s1, p.m1);
+    else
+      w0 = simd::mul(q0, p.s0), w1 = simd::mul(q1, p.s1);
   }
 };
 
@@ -695,17 +753,20 @@ struct QuantMatrix {
   }
 };
 
+// A format F (Fmt, QuadExact) on the exact path.
+template <class F>
+inline void set_exact_format(QuantPart& p) {
+  p.tile_rows = &tile_rows<F>;
+  p.tile_weights = &tile_weights<F>;
+  p.expand_panel = &expand_panel<F>;
+  p.expand_groups = &expand_groups<F>;
+  p.tile_bytes = F::tile_bytes(p.num_groups);
+}
+
 // half: the fp16 head (groups of 32 only: the formats without super-blocks, Q4_0 ... Q8_0, IQ4_NL).
 template <int Bits, int Group, bool kMin>
 inline void set_format(QuantPart& p, bool factored, bool half) {
-  auto set = [&](auto fmt) {
-    using F = decltype(fmt);
-    p.tile_rows = &tile_rows<F>;
-    p.tile_weights = &tile_weights<F>;
-    p.expand_panel = &expand_panel<F>;
-    p.expand_groups = &expand_groups<F>;
-    p.tile_bytes = F::tile_bytes(p.num_groups);
-  };
+  auto set = [&](auto fmt) { set_exact_format<decltype(fmt)>(p); };
   if (factored)
     set(Fmt<Bits, Group, kMin, true>{});
   else if constexpr (Group == 32)
@@ -722,21 +783,33 @@ inline void set_quad_format(QuantPart& p) {
   p.tile_bytes = F::tile_bytes(p.num_groups);
 }
 
-template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false, bool kWide = false>
+// kExact: the byte quads on the exact path (QuadExact), else on the 8-bit one.
+template <int Group, bool kMin, bool kFactored, int kCodeBits, bool kHalf = false, bool kWide = false,
+          bool kExact = false>
 inline void set_byte_quad(QuantPart& p) {
-  set_quad_format<ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf, kWide>>(p);
+  using Q = ByteQuad<Group, kMin, kFactored, kCodeBits, kHalf, kWide>;
+  if constexpr (kExact)
+    set_exact_format<QuadExact<Q>>(p);
+  else
+    set_quad_format<Q>(p);
 }
 
-template <int kCodeBits>
+template <int kCodeBits, bool kExact = false>
 inline void set_byte_quads(QuantPart& p, int64_t group, bool has_min, bool factored, bool half) {
+  constexpr int B = kCodeBits;
+  constexpr bool E = kExact;
   if (half)  // groups of 32 (parse_quant_matrix checks)
-    has_min ? set_byte_quad<32, true, false, kCodeBits, true>(p) : set_byte_quad<32, false, false, kCodeBits, true>(p);
+    has_min ? set_byte_quad<32, true, false, B, true, false, E>(p) : set_byte_quad<32, false, false, B, true, false, E>(p);
   else if (group == 16)
-    has_min ? (factored ? set_byte_quad<16, true, true, kCodeBits>(p) : set_byte_quad<16, true, false, kCodeBits>(p))
-            : (factored ? set_byte_quad<16, false, true, kCodeBits>(p) : set_byte_quad<16, false, false, kCodeBits>(p));
+    has_min ? (factored ? set_byte_quad<16, true, true, B, false, false, E>(p)
+                        : set_byte_quad<16, true, false, B, false, false, E>(p))
+            : (factored ? set_byte_quad<16, false, true, B, false, false, E>(p)
+                        : set_byte_quad<16, false, false, B, false, false, E>(p));
   else
-    has_min ? (factored ? set_byte_quad<32, true, true, kCodeBits>(p) : set_byte_quad<32, true, false, kCodeBits>(p))
-            : (factored ? set_byte_quad<32, false, true, kCodeBits>(p) : set_byte_quad<32, false, false, kCodeBits>(p));
+    has_min ? (factored ? set_byte_quad<32, true, true, B, false, false, E>(p)
+                        : set_byte_quad<32, true, false, B, false, false, E>(p))
+            : (factored ? set_byte_quad<32, false, true, B, false, false, E>(p)
+                        : set_byte_quad<32, false, false, B, false, false, E>(p));
 }
 
 // data: uint8 [bytes]; meta: int64 [P, 9] as described at the top. Checks every part against the buffer.
@@ -751,8 +824,8 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
   q.first_tile.push_back(0);
   for (int64_t i = 0; i < mt.size(0); ++i, m += 9) {
     const int64_t offset = m[0], rows = m[1], k = m[2], bits = m[3], group = m[4], has_min = m[5], col = m[6];
-    const bool half = (m[8] & kLayoutFp16Head) != 0;
-    const int64_t layout = m[8] & ~kLayoutFp16Head;
+    const bool half = (m[8] & kLayoutFp16Head) != 0, exact = (m[8] & kLayoutExactQuads) != 0;
+    const int64_t layout = m[8] & ~(kLayoutFp16Head | kLayoutExactQuads);
     TORCH_CHECK(m[7] == kPanel, "part ", i, " was packed in tiles of ", m[7], " rows; this kernel build takes ",
                 kPanel, " (pack with the loaded variant's panel_width)");
     TORCH_CHECK(rows > 0 && k > 0 && group > 0 && k % group == 0, "part ", i, ": rows and K a multiple of group");
@@ -782,7 +855,12 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
                           group == 32),
                 "part ", i, ": an fp16 head (layout flag ", kLayoutFp16Head,
                 ") takes layouts 0, 1, 3, 6, 8 and 10, groups of 32");
-    if (nibble_quads) {
+    TORCH_CHECK(!exact || ((six_bit || five_bit) && byte_quads), "part ", i, ": flag ", kLayoutExactQuads,
+                " (the exact path) takes layouts 6 to 9");
+    if (exact) {
+      five_bit ? set_byte_quads<5, true>(p, group, has_min, factored, half)
+               : set_byte_quads<6, true>(p, group, has_min, factored, half);
+    } else if (nibble_quads) {
       q.has_q8 = true;
       factored ? set_quad_format<Q4QuadT<true>>(p)
                : (half ? set_quad_format<Q4QuadT<false, true>>(p) : set_quad_format<Q4Quad>(p));

@@ -142,6 +142,13 @@ inline QRun qrun_first(QVec codes, QVec x) { return dpbusd(_mm512_setzero_si512(
 inline QRun qrun_add(QRun s, QVec codes, QVec x) { return dpbusd(s, codes, x); }
 inline QAcc32 qrun_join(QAcc32 acc, QRun s) { return _mm512_add_epi32(acc, s); }
 inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// Byte J of each output's four (a quad's input J) minus `bias`, as fp32: the exact path's reading of byte quads.
+template <int J>
+inline Vec quad_input(QVec w, int32_t bias) {
+  const __m512i b =
+      J == 3 ? _mm512_srli_epi32(w, 24) : _mm512_and_si512(_mm512_srli_epi32(w, 8 * J), _mm512_set1_epi32(255));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(b, _mm512_set1_epi32(bias)));
+}
 // Wide byte quads (codes -128..127 stored plus 128: quant_linear.h's ByteQuad with kWide): vpdpbusd multiplies the
 // stored bytes as they are, and the kernel takes kWideSumBias times the activations' sum back.
 constexpr int32_t kWideSumBias = 128;
@@ -319,6 +326,12 @@ inline QAcc32 qrun_join(QAcc32 acc, QRun s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
 }
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+template <int J>
+inline Vec quad_input(QVec w, int32_t bias) {  // as on AVX-512
+  const __m256i b =
+      J == 3 ? _mm256_srli_epi32(w, 24) : _mm256_and_si256(_mm256_srli_epi32(w, 8 * J), _mm256_set1_epi32(255));
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(bias)));
+}
 // Wide byte quads (codes -128..127 stored plus 128): a pair of products of a stored byte (up to 255) and an
 // activation overflows vpmaddubsw's int16, so the code goes back to its sign (xor 128) and llama.cpp's sign trick
 // multiplies |code| (unsigned, at most 128) by the activation given the code's sign: a pair at most
@@ -516,6 +529,12 @@ inline QAcc32 qrun_join(QAcc32 acc, QRun s) { return acc + s; }
 inline QVec byte_quad(const uint8_t* p) {
   QVec r;
   std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+template <int J>
+inline Vec quad_input(QVec w, int32_t bias) {  // as on AVX-512
+  Vec r;
+  for (int c = 0; c < kLanes; ++c) r[c] = static_cast<float>(int32_t(w[4 * c + J]) - bias);
   return r;
 }
 // Wide byte quads (codes -128..127 stored plus 128): int32 sums of the stored bytes, as on AVX-512.
