@@ -59,6 +59,11 @@ Q2_K) are layout 0 and layout 2 with each group's codes reordered for the same k
 4c + j of a quad holding row c's code at input j plus :data:`BYTE_QUAD_BIAS` (0..63, an unsigned byte for the
 integer dot product; the kernel takes 32 times the activations' sum back). Same bytes, same weights.
 
+Flag 32 on layouts 6 to 9 (:data:`LAYOUT_EXACT_QUADS`) keeps those narrow quads for the exact path: the kernel
+converts each quad's codes to fp32 for the four inputs at once and multiplies them by the fp32 activations, the
+same weights bit for bit as layouts 0 and 2, in the file's bits (what :meth:`QuantizedWeight.from_groups` writes
+without ``int8_activations`` for the formats whose codes fit six or five bits).
+
 Layouts 6 and 7 are layouts 3 and 4 in six bits a code (every biased code is 0..63): per quad a plane of low
 nibbles and a plane of top bit pairs (:func:`_six_bit_quads`), 3 bytes per 4 codes: Q6_K in its file's 6.5625 bits
 a weight (layout 7) instead of 8.6, which is what a decode step reads of it. Layouts 8 and 9 are the same in five
@@ -724,7 +729,8 @@ class QuantizedWeight:
         ``quad_bits``: the fewest bits a byte quad's code takes: 5 (the loader's) puts the codes that fit in five bits
         (layouts 8 and 9: Q5_0, Q5_1, Q5_K, Q3_K, Q2_K) and the others in six (layouts 6 and 7: Q6_K); 6 puts all in
         six; 8 keeps a byte a code (layouts 3 and 4). The same weights: ``benchmarks/decode_bytes.py`` times them
-        side by side. ``fp16_heads``: groups of 32
+        side by side. Without ``int8_activations`` the same narrow quads (5 or 6) go to the exact path
+        (:data:`LAYOUT_EXACT_QUADS`); 8 keeps layouts 0 and 2 there. ``fp16_heads``: groups of 32
         whose scales and mins are fp16 values keep them in fp16 (:data:`LAYOUT_FP16_HEAD`); False keeps fp32.
         ``wide_quads``: False keeps the wide byte quads' formats (Q8_0, IQ4) exact under ``int8_activations``.
         """
