@@ -29,9 +29,9 @@
 // and mins as multipliers of per-super-block fp16 units (Fmt's kFactored): the same values in the file's bytes.
 // Layouts 0, 1, 3, 6, 8 and 10 with flag 16 (kLayoutFp16Head) keep each group's scales and mins in fp16 instead of fp32
 // (Fmt's kHalf): the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), whose every scale and min
-// is an fp16 in the file, read in the file's bytes too. Layouts 6 to 9 with flag 32 (kLayoutExactQuads) are the same narrow
-// quads multiplied by the fp32 activations (QuadExact): Q6_K and the five-bit formats in their file's bits on the
-// exact path too.
+// is an fp16 in the file, read in the file's bytes too. Layouts 6 to 9 with flag 32 (kLayoutExactQuads) are the
+// same narrow quads multiplied by the fp32 activations (QuadExact): Q6_K and the five-bit formats in their file's
+// bits on the exact path too.
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
@@ -801,7 +801,8 @@ inline void set_byte_quads(QuantPart& p, int64_t group, bool has_min, bool facto
   constexpr int B = kCodeBits;
   constexpr bool E = kExact;
   if (half)  // groups of 32 (parse_quant_matrix checks)
-    has_min ? set_byte_quad<32, true, false, B, true, false, E>(p) : set_byte_quad<32, false, false, B, true, false, E>(p);
+    has_min ? set_byte_quad<32, true, false, B, true, false, E>(p)
+            : set_byte_quad<32, false, false, B, true, false, E>(p);
   else if (group == 16)
     has_min ? (factored ? set_byte_quad<16, true, true, B, false, false, E>(p)
                         : set_byte_quad<16, true, false, B, false, false, E>(p))
