@@ -68,10 +68,26 @@ def test_one_thread_has_nothing_to_govern() -> None:
         ThreadGovernor(1, lambda n: None)
 
 
+def test_a_plainly_slower_probe_ends_early_and_a_close_one_runs_whole() -> None:
+    m = Machine()
+    g = m.governor
+    first = g.probe_every  # the first probe starts after this many decode steps
+    used = m.run(first + 20, QUIET)
+    assert used[first : first + 3] == [1, 1, 2]  # two steps at one thread, then back
+    assert g.num_threads == 2 and g.probe_every == 2 * first  # kept, and the next probe later
+    m = Machine()
+    g = m.governor
+    close = {2: 0.90, 1: 0.85}  # one thread fewer nearly as fast: the whole probe decides
+    used = m.run(first + 20, close)
+    assert used[first : first + g.probe_steps + 1] == [1] * g.probe_steps + [2]
+    assert g.num_threads == 2
+
+
 def test_a_prompt_during_a_probe_runs_at_the_chosen_count() -> None:
     m = Machine()
     g = m.governor
-    m.run(g.probe_every, QUIET)  # the first probe starts after the last of these steps
+    close = {2: 0.90, 1: 0.85}  # a probe that runs its whole length
+    m.run(g.probe_every, close)  # the first probe starts after the last of these steps
     assert g._probing == 1 and m.threads == 1
     decode_counts = []
     for kind in ("prefill", "decode", "mixed", "decode", "prefill"):
@@ -80,9 +96,9 @@ def test_a_prompt_during_a_probe_runs_at_the_chosen_count() -> None:
             decode_counts.append(m.threads)
         else:
             assert m.threads == 2  # the chosen count, not the probe's
-        g.observe(kind, bound_s=QUIET[m.threads] * 0.01, step_s=0.01)
+        g.observe(kind, bound_s=close[m.threads] * 0.01, step_s=0.01)
     assert decode_counts == [1, 1]  # the probe resumes on decode steps and counts only them
     for _ in range(g.probe_steps - 2):
         g.begin_step("decode")
-        g.observe("decode", bound_s=QUIET[m.threads] * 0.01, step_s=0.01)
+        g.observe("decode", bound_s=close[m.threads] * 0.01, step_s=0.01)
     assert g._probing is None and g.num_threads == 2 and m.threads == 2
