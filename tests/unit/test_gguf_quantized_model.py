@@ -366,6 +366,24 @@ def test_what_a_decode_step_reads_against_the_file(
     assert decode_read_bytes(loaded.model) == expected
 
 
+def test_the_exact_path_reads_the_bytes_of_llama_cpps_arithmetic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q6_K and Q5_K in their six and five bits on the exact path too: a decode step reads the same bytes on both
+    arithmetics (a byte a code, ``quad_bits=8``, reads more: ``test_gguf_blocks``)."""
+    from tokenmill.model.quant import decode_read_bytes
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-mixed.gguf"
+    write_gguf(path, TYPES)
+    exact = load_model(str(path), device="cpu", quantization="gguf")
+    rounded = load_model(str(path), device="cpu", quantization="gguf-q8")
+    assert decode_read_bytes(exact.model) == decode_read_bytes(rounded.model)
+    layer = exact.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.type_summary() == "6bit/g16"  # Q6_K
+    assert layer.self_attn.o_proj.weight.type_summary() == "5bit/g32"  # Q5_K
+
+
 def test_a_load_deletes_the_cache_entries_no_load_can_find_again(tmp_path: Path) -> None:
     """Writing an entry prunes the cache: the entries of a removed file and a rewritten one go, a kept file's stay."""
     cache = tmp_path / "cache"
