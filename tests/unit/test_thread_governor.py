@@ -72,9 +72,17 @@ def test_a_plainly_slower_probe_ends_early_and_a_close_one_runs_whole() -> None:
     m = Machine()
     g = m.governor
     first = g.probe_every  # the first probe starts after this many decode steps
-    used = m.run(first + 20, QUIET)
-    assert used[first : first + 3] == [1, 1, 2]  # two steps at one thread, then back
+    used = m.run(first + 3, QUIET)
+    assert used[first:] == [1, 1, 2]  # two steps at one thread, then back
     assert g.num_threads == 2 and g.probe_every == 2 * first  # kept, and the next probe later
+    m = Machine()
+    g = m.governor
+    m.run(50, QUIET)
+    used = m.run(40, BUSY)  # collapsed, one thread wins
+    assert g.num_threads == 1
+    used = m.run(2 * g.max_probe_every, BUSY)
+    probes = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    assert probes and all(used[i + 1] == 1 for i in probes)  # a step into the collapse ends each probe
     m = Machine()
     g = m.governor
     close = {2: 0.90, 1: 0.85}  # one thread fewer nearly as fast: the whole probe decides

@@ -9,10 +9,13 @@ one compare) at the thread count in use and at one fewer: every ``probe_every`` 
 keeps winning is probed more rarely (the interval doubles up to ``max_probe_every``), so on a quiet machine the
 probes cost about ``probe_steps / max_probe_every`` of the steps at the slower count; a sudden slowdown (a decode
 step at less than ``collapse`` of the recent efficiency, ``collapse_steps`` times in a row) probes at once.
-A probe whose first ``probe_abort_steps`` steps all run below ``abort_below`` of the chosen count's efficiency ends
-there, keeping the count: on a quiet machine one thread fewer is plainly slower (the 1.5B's 16-row decode steps
-took 0.26 s at one thread against 0.15 s at two), and six such steps per probe cost 3-4% of a short run. Switching
-still takes the whole probe.
+A probe that cannot win ends early, keeping the count: its first ``probe_abort_steps`` steps all below
+``abort_below`` of the chosen count's efficiency, or one below ``collapse`` of it. On a quiet machine one thread
+fewer is plainly slower (the 1.5B's 16-row decode steps took 0.26 s at one thread against 0.15 s at two: six such
+steps a probe cost 3-4% of a short run), and beside a busy neighbour every probe back to two threads is a step that
+waits for the starved one. Switching still takes the whole probe. The first probe comes after
+``first_probe_after`` decode steps: an engine that starts beside a busy neighbour has no quiet steps to see a
+collapse against.
 A step with prompt tokens in it always runs at the chosen count: a probe pauses for it (``begin_step``), so a
 prompt that arrives during a probe does not wait on the count under trial.
 """
@@ -37,14 +40,17 @@ class ThreadGovernor:
         collapse_steps: int = 3,
         probe_abort_steps: int = 2,
         abort_below: float = 0.8,
+        first_probe_after: int = 8,
     ) -> None:
         if max_threads < 2:
             raise ValueError(f"a thread governor needs at least 2 threads, got {max_threads}")
         self.max_threads, self._set_threads = max_threads, set_threads
         self.num_threads = max_threads  # the chosen count
         self._applied = max_threads  # the count last set
+        # the first probe comes early (an engine started beside a busy neighbour has no collapse to see), the next
+        # ones twice as far apart each time the count wins, from probe_every again after a switch
         self.probe_every, self.min_probe_every, self.max_probe_every = (
-            probe_every,
+            first_probe_after,
             probe_every,
             max_probe_every,
         )
@@ -96,10 +102,15 @@ class ThreadGovernor:
             self._start_probe()
 
     def _plainly_slower(self) -> bool:
-        """The probe's first steps all well below the chosen count's efficiency (it cannot win: end it)."""
-        if len(self._probe) < self.probe_abort_steps or not self._recent:
+        """The probe cannot win, so it ends: its first ``probe_abort_steps`` steps all below ``abort_below`` of the
+        chosen count's efficiency, or its steps so far below ``collapse`` of it (a probe into a busy neighbour's
+        core: every step it runs costs several)."""
+        if not self._recent:
             return False
-        return max(self._probe) < self.abort_below * statistics.median(self._recent)
+        current, best = statistics.median(self._recent), max(self._probe)
+        return best < self.collapse * current or (
+            len(self._probe) >= self.probe_abort_steps and best < self.abort_below * current
+        )
 
     def _other(self) -> int:
         return self.num_threads - 1 if self.num_threads == self.max_threads else self.max_threads
