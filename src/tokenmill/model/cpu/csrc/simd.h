@@ -145,8 +145,15 @@ inline QVec byte_quad(const uint8_t* p) { return _mm512_loadu_si512(p); }
 // Byte J of each output's four (a quad's input J) minus `bias`, as fp32: the exact path's reading of byte quads.
 template <int J>
 inline Vec quad_input(QVec w, int32_t bias) {
-  const __m512i b =
-      J == 3 ? _mm512_srli_epi32(w, 24) : _mm512_and_si512(_mm512_srli_epi32(w, 8 * J), _mm512_set1_epi32(255));
+  __m512i b;
+  if constexpr (J == 0)
+    b = _mm512_and_si512(w, _mm512_set1_epi32(255));
+  else if constexpr (J == 3)
+    b = _mm512_srli_epi32(w, 24);
+  else  // byte J of each lane to its low byte, the rest zero (a mask byte with its top bit set gives 0; vpshufb
+        // indexes the bytes of its 128-bit lane, where lane element c starts at byte 4c)
+    b = _mm512_shuffle_epi8(w, _mm512_set4_epi32(int32_t(0x8080800Cu | J), int32_t(0x80808008u | J),
+                                                 int32_t(0x80808004u | J), int32_t(0x80808000u | J)));
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(b, _mm512_set1_epi32(bias)));
 }
 // Wide byte quads (codes -128..127 stored plus 128: quant_linear.h's ByteQuad with kWide): vpdpbusd multiplies the
@@ -328,8 +335,16 @@ inline QAcc32 qrun_join(QAcc32 acc, QRun s) {
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 template <int J>
 inline Vec quad_input(QVec w, int32_t bias) {  // as on AVX-512
-  const __m256i b =
-      J == 3 ? _mm256_srli_epi32(w, 24) : _mm256_and_si256(_mm256_srli_epi32(w, 8 * J), _mm256_set1_epi32(255));
+  __m256i b;
+  if constexpr (J == 0)
+    b = _mm256_and_si256(w, _mm256_set1_epi32(255));
+  else if constexpr (J == 3)
+    b = _mm256_srli_epi32(w, 24);
+  else
+    b = _mm256_shuffle_epi8(w, _mm256_setr_epi32(int32_t(0x80808000u | J), int32_t(0x80808004u | J),
+                                                  int32_t(0x80808008u | J), int32_t(0x8080800Cu | J),
+                                                  int32_t(0x80808000u | J), int32_t(0x80808004u | J),
+                                                  int32_t(0x80808008u | J), int32_t(0x8080800Cu | J)));
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(bias)));
 }
 // Wide byte quads (codes -128..127 stored plus 128): a pair of products of a stored byte (up to 255) and an
