@@ -248,28 +248,24 @@ def test_prompt_logprobs_complete_after_preemption(make_engine):
 def test_a_prompt_arriving_during_a_thread_probe_runs_on_every_thread(make_engine):
     """The thread governor trials one thread fewer on decode steps; a prefill step in the middle of the trial runs
     at the chosen count (all threads on a quiet machine), decode steps at the trial's. Two threads whatever an
-    earlier engine's governor left set (the count is process-wide)."""
-    before = torch.get_num_threads()
+    earlier engine's governor left set (the count is process-wide; the conftest restores it after)."""
     torch.set_num_threads(2)
-    try:
-        engine = make_engine(max_num_seqs=4)
-        governor = engine.thread_governor
-        assert governor is not None and governor.max_threads == 2
-        seen: list[tuple[bool, int]] = []  # (the step has a prompt's tokens, threads during its forward)
-        execute = engine.runner.execute
+    engine = make_engine(max_num_seqs=4)
+    governor = engine.thread_governor
+    assert governor is not None and governor.max_threads == 2
+    seen: list[tuple[bool, int]] = []  # (the step has a prompt's tokens, threads during its forward)
+    execute = engine.runner.execute
 
-        def recording(scheduler_output):
-            seen.append((any(r.is_prefill for r in scheduler_output.rows), torch.get_num_threads()))
-            return execute(scheduler_output)
+    def recording(scheduler_output):
+        seen.append((any(r.is_prefill for r in scheduler_output.rows), torch.get_num_threads()))
+        return execute(scheduler_output)
 
-        engine.runner.execute = recording
-        engine.add_request("Once upon a time", greedy(8))
-        engine.step()  # the first request's prefill
-        governor._start_probe()
-        engine.step()  # a decode step under the probe
-        engine.add_request("def fibonacci(n):", greedy(4))
-        engine.step()  # the second prompt joins: a mixed step
-        engine.step()  # decode again
-        assert seen[1:] == [(False, 1), (True, 2), (False, 1)]
-    finally:
-        torch.set_num_threads(before)
+    engine.runner.execute = recording
+    engine.add_request("Once upon a time", greedy(8))
+    engine.step()  # the first request's prefill
+    governor._start_probe()
+    engine.step()  # a decode step under the probe
+    engine.add_request("def fibonacci(n):", greedy(4))
+    engine.step()  # the second prompt joins: a mixed step
+    engine.step()  # decode again
+    assert seen[1:] == [(False, 1), (True, 2), (False, 1)]

@@ -743,7 +743,8 @@ class QuantizedWeight:
                 raise ValueError("stacked quantized parts must have the same number of input features")
             if int8_activations and g.fmt == BlockFormat(4, 32, True):
                 layout = LAYOUT_QUADS_FACTORED if factored(g) else LAYOUT_QUADS
-            elif int8_activations and takes_byte_quads(g):
+            elif takes_byte_quads(g) and (int8_activations or quad_bits != 8):
+                # narrow quads on both paths (the exact one flagged below); a byte a code in quads for 8-bit ones
                 plain, factored_layout = (
                     (LAYOUT_BYTE_QUADS, LAYOUT_BYTE_QUADS_FACTORED)
                     if quad_bits == 8
@@ -754,11 +755,6 @@ class QuantizedWeight:
                 layout = factored_layout if factored(g) else plain
             elif int8_activations and wide_quads and takes_wide_byte_quads(g):
                 layout = LAYOUT_WIDE_BYTE_QUADS
-            elif not int8_activations and quad_bits != 8 and takes_byte_quads(g):
-                # the file's bits for the exact path too (flagged below)
-                five = quad_bits == 5 and takes_five_bits(g)
-                plain, factored_layout = _FIVE_BIT_LAYOUTS if five else _SIX_BIT_LAYOUTS
-                layout = factored_layout if factored(g) else plain
             else:
                 layout = LAYOUT_FACTORED if factored(g) else LAYOUT_INPUTS
             bits = 6 if layout in _SIX_BIT_LAYOUTS else 5 if layout in _FIVE_BIT_LAYOUTS else g.fmt.bits
