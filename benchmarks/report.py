@@ -32,7 +32,8 @@ SPEEDUP_TARGETS = [
     ("c", "llamacpp", "tokenmill_int8", 1.0),
 ]
 # (case, engine, minimum fraction of that engine's lower bound, for the bytes it reads per weight and the peak of
-# its arithmetic: fp32 FLOP/s, or the integer dot product's ops/s for llama.cpp's)
+# its arithmetic: fp32 FLOP/s, or for llama.cpp's the integer dot product's ops/s for the projections and the head
+# beside fp32 FLOP/s for the attention)
 LIMIT_TARGETS = [
     ("b", "tokenmill", 0.60),
     ("c", "tokenmill", 0.80),  # decode: 80% of read bandwidth

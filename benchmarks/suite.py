@@ -348,11 +348,12 @@ class Suite:
             if wb is None or kvb is None:
                 continue
             w = self.cases[r.case]
-            peak = limits.peak_flops
+            # llama.cpp's arithmetic: projections and head on the integer peak, attention (fp32) on the fp32 one
+            peak, attention_peak = limits.peak_flops, None
             if r.extra.get("integer_arithmetic") and limits.peak_int_ops:
-                peak = limits.peak_int_ops
+                peak, attention_peak = limits.peak_int_ops, limits.peak_flops
             bound = workload_bound(
-                self.shape, w.prompt_lens, w.max_tokens, peak, limits.peak_read_bw, wb, kvb
+                self.shape, w.prompt_lens, w.max_tokens, peak, limits.peak_read_bw, wb, kvb, attention_peak
             )
             r.extra["limit_s"] = bound.time_s
             r.extra["limited_by"] = bound.limited_by

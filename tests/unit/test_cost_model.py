@@ -89,6 +89,20 @@ def test_ideal_schedule_and_bound():
     assert workload_bound(TINY, [3, 2], [2, 1], peak_flops, peak_bw) == bound
 
 
+def test_attention_at_its_own_peak():
+    """Projections on one arithmetic, attention on another: each part's FLOPs at its own peak."""
+    cost = forward_cost(TINY, [RowWork(4, 4)])
+    assert cost.attention_flops == 640  # 4*2*2*4*10, as above
+    assert cost.compute_s(4000.0, 1000.0) == pytest.approx((cost.flops - 640) / 4000 + 640 / 1000)
+    assert cost.compute_s(1000.0) == pytest.approx(cost.flops / 1000)
+    forwards = ideal_forwards([4], [2])
+    bound = lower_bound(TINY, forwards, 4000.0, 1e9, attention_peak_flops=1000.0)
+    costs = [forward_cost(TINY, rows) for rows in forwards]
+    assert bound.time_s == pytest.approx(sum(c.compute_s(4000.0, 1000.0) for c in costs))
+    assert bound.compute_s == pytest.approx(bound.time_s)
+    assert bound.time_s > lower_bound(TINY, forwards, 4000.0, 1e9).time_s
+
+
 def test_bad_input():
     with pytest.raises(ValueError):
         RowWork(0, 3)

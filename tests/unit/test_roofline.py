@@ -54,6 +54,22 @@ def test_a_verification_row_needs_logits_for_every_token() -> None:
     assert spec > 3 * one
 
 
+def test_integer_projections_beside_fp32_attention() -> None:
+    """llama.cpp's arithmetic: the projections and the head at the integer peak, the attention at the fp32 one."""
+    limits = MachineLimits(1e3, 1e12, "given", peak_int_ops=4e3).for_integer_matmuls()
+    assert (limits.peak_flops, limits.attention_peak_flops) == (4e3, 1e3)
+    assert "attention 0.0 GFLOP/s" in limits.describe()
+    roof = StepRoofline(SHAPE, limits, weight_bytes=1, kv_bytes=4)
+    pairs = 6 * 7 // 2
+    projections, attention = 2 * P_MM * 6 + 2 * P_HEAD, 4 * 1 * 2 * 2 * pairs
+    assert roof.bound_s([row(0, 6, prefill=True)]) == pytest.approx(projections / 4e3 + attention / 1e3)
+    # without a measured integer peak the limits stay the fp32 ones, every FLOP at that peak
+    plain = MachineLimits(1e3, 1e12)
+    assert plain.for_integer_matmuls() is plain
+    fp32 = StepRoofline(SHAPE, plain, 4, 4).bound_s([row(0, 6, prefill=True)])
+    assert fp32 == pytest.approx((projections + attention) / 1e3)
+
+
 def test_limits_parse_and_refuse() -> None:
     assert MachineLimits.parse("250,30") == MachineLimits(250e9, 30e9, "given")
     for bad in ("fast", "250", "250,0", "-1,30"):

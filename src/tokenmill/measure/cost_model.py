@@ -12,7 +12,10 @@ that does not)::
 
 with ``P_mm`` the decoder's projection parameters, ``P_head = hidden * vocab``, ``w`` and ``kv`` the
 bytes per weight and per KV element. Embedding gathers, norms, activations and KV writes are left out,
-so the bound stays a bound. A forward takes at least ``max(flops / peak_flops, bytes / peak_bw)``.
+so the bound stays a bound. A forward takes at least ``max(flops / peak_flops, bytes / peak_bw)``, or, where the
+projections run on another arithmetic than the attention (8-bit integer dot products beside fp32 attention),
+``max(projection_flops / peak_flops + attention_flops / attention_peak_flops, bytes / peak_bw)``: each part at
+the peak of the arithmetic that computes it.
 
 The ideal schedule of a closed batch (``ideal_forwards``) admits every request at once: one forward
 prefills every prompt and samples each request's first token, then one decode forward per further
@@ -105,14 +108,23 @@ class RowWork:
 
 @dataclass(frozen=True)
 class Cost:
-    flops: float = 0.0
+    flops: float = 0.0  # every FLOP, the attention's included
     bytes: float = 0.0
+    attention_flops: float = 0.0  # the part of ``flops`` in QK^T and PV
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+        return Cost(
+            self.flops + other.flops, self.bytes + other.bytes, self.attention_flops + other.attention_flops
+        )
 
-    def time_s(self, peak_flops: float, peak_bw: float) -> float:
-        return max(self.flops / peak_flops, self.bytes / peak_bw)
+    def compute_s(self, peak_flops: float, attention_peak_flops: float | None = None) -> float:
+        """The projections and the head at ``peak_flops``, the attention at ``attention_peak_flops`` (the same
+        peak when it is None)."""
+        attention_peak = attention_peak_flops or peak_flops
+        return (self.flops - self.attention_flops) / peak_flops + self.attention_flops / attention_peak
+
+    def time_s(self, peak_flops: float, peak_bw: float, attention_peak_flops: float | None = None) -> float:
+        return max(self.compute_s(peak_flops, attention_peak_flops), self.bytes / peak_bw)
 
 
 def forward_cost(
@@ -121,14 +133,13 @@ def forward_cost(
     num_tokens = sum(r.num_new_tokens for r in rows)
     num_logit_rows = sum(r.num_logit_rows for r in rows)
     num_pairs = sum(r.num_causal_pairs for r in rows)
+    attention_flops = 4 * shape.num_layers * shape.num_heads * shape.head_dim * num_pairs
     flops = (
-        2 * shape.matmul_params * num_tokens
-        + 4 * shape.num_layers * shape.num_heads * shape.head_dim * num_pairs
-        + 2 * shape.lm_head_params * num_logit_rows
+        2 * shape.matmul_params * num_tokens + attention_flops + 2 * shape.lm_head_params * num_logit_rows
     )
     weight_params = shape.matmul_params + (shape.lm_head_params if num_logit_rows else 0)
     kv_read = shape.num_layers * 2 * shape.kv_dim * kv_bytes * sum(r.seq_len for r in rows)
-    return Cost(float(flops), weight_params * weight_bytes + kv_read)
+    return Cost(float(flops), weight_params * weight_bytes + kv_read, float(attention_flops))
 
 
 def ideal_forwards(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> list[list[RowWork]]:
@@ -148,7 +159,7 @@ def ideal_forwards(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> li
 @dataclass(frozen=True)
 class Bound:
     time_s: float  # sum over forwards of max(compute, memory)
-    compute_s: float  # all FLOPs at peak, as if memory were free
+    compute_s: float  # all FLOPs at their peaks, as if memory were free
     memory_s: float  # all bytes at peak bandwidth, as if arithmetic were free
     flops: float
     bytes: float
@@ -177,16 +188,18 @@ def lower_bound(
     peak_bw: float,
     weight_bytes: float = 4.0,
     kv_bytes: float = 4.0,
+    attention_peak_flops: float | None = None,
 ) -> Bound:
+    """``attention_peak_flops``: the attention's peak where it differs from the projections' ``peak_flops``."""
     time_s = 0.0
     total = Cost()
     for rows in forwards:
         cost = forward_cost(shape, rows, weight_bytes, kv_bytes)
-        time_s += cost.time_s(peak_flops, peak_bw)
+        time_s += cost.time_s(peak_flops, peak_bw, attention_peak_flops)
         total = total + cost
     return Bound(
         time_s=time_s,
-        compute_s=total.flops / peak_flops,
+        compute_s=total.compute_s(peak_flops, attention_peak_flops),
         memory_s=total.bytes / peak_bw,
         flops=total.flops,
         bytes=total.bytes,
@@ -202,7 +215,8 @@ def workload_bound(
     peak_bw: float,
     weight_bytes: float = 4.0,
     kv_bytes: float = 4.0,
+    attention_peak_flops: float | None = None,
 ) -> Bound:
     """The lower bound on a closed batch's time under the ideal schedule."""
     forwards = ideal_forwards(prompt_lens, output_lens)
-    return lower_bound(shape, forwards, peak_flops, peak_bw, weight_bytes, kv_bytes)
+    return lower_bound(shape, forwards, peak_flops, peak_bw, weight_bytes, kv_bytes, attention_peak_flops)

@@ -7,7 +7,8 @@ Steps are split by kind: ``decode`` (every row computes its next token), ``prefi
 chunk of one) and ``mixed``. The limits are measured once per machine and cached (``--hardware-limits cached``,
 the server's default, ``model/hardware_cache.py``: fp32 matmul FLOP/s, the integer dot product's ops/s and read
 bandwidth), measured again (``measure``) or given (``--hardware-limits GFLOPS,GBS``). A model on llama.cpp's
-arithmetic (``gguf-q8``) is bounded by the integer peak.
+arithmetic (``gguf-q8``) has its projections and head bounded by the integer peak and its attention, which runs
+in fp32, by the fp32 peak.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class MachineLimits:
     peak_read_bw: float  # bytes/s
     source: str = "given"
     peak_int_ops: float | None = None  # the 8-bit-activation kernels' integer dot product, ops/s (CPU)
+    attention_peak_flops: float | None = None  # the attention's peak where it is not ``peak_flops``
 
     @classmethod
     def parse(cls, text: str) -> MachineLimits:
@@ -35,17 +37,20 @@ class MachineLimits:
         return cls(*parse_hardware_limits(text), "given")
 
     def for_integer_matmuls(self) -> MachineLimits:
-        """The limits of a model whose projections run on integer dot products (``gguf-q8``): their peak is the
-        compute limit (every FLOP of the step at it: the attention's few fp32 ones too, which keeps the bound a
-        bound). Unchanged where no integer peak was measured."""
+        """The limits of a model whose projections run on integer dot products (``gguf-q8``): the projections
+        and the head at the integer peak, the attention (fp32) at the fp32 peak. Unchanged where no integer peak
+        was measured."""
         if not self.peak_int_ops:
             return self
-        return MachineLimits(self.peak_int_ops, self.peak_read_bw, f"{self.source}; integer peak", None)
+        source = f"{self.source}; integer peak"
+        return MachineLimits(self.peak_int_ops, self.peak_read_bw, source, None, self.peak_flops)
 
     def describe(self) -> str:
         text = f"{self.peak_flops / 1e9:.1f} GFLOP/s, {self.peak_read_bw / 1e9:.1f} GB/s"
         if self.peak_int_ops:
             text += f", integer {self.peak_int_ops / 1e9:.1f} GOP/s"
+        if self.attention_peak_flops:
+            text += f", attention {self.attention_peak_flops / 1e9:.1f} GFLOP/s"
         return f"{text} ({self.source})"
 
 
@@ -76,4 +81,4 @@ class StepRoofline:
             for r in rows
         ]
         cost = forward_cost(self.shape, work, self.weight_bytes, self.kv_bytes)
-        return cost.time_s(self.limits.peak_flops, self.limits.peak_read_bw)
+        return cost.time_s(self.limits.peak_flops, self.limits.peak_read_bw, self.limits.attention_peak_flops)
