@@ -642,9 +642,10 @@ inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, type
 
 // c[r][0:ncols] for rows m .. m + R - 1 of the activations times one tile of F (Q4Quad, ByteQuad): per group, the
 // integer dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
-// kUnpacked: `heads` holds the tile's groups' scales and mins as q8_rows unpacked them for every block of rows; else
-// they are unpacked here, and the tile's stream prefetched, for a single block (a decode step's).
-template <class F, int R, bool kUnpacked>
+// kUnpacked: `heads` holds the tile's groups' scales and mins as q8_blocks_unpacked unpacked them for every block of
+// rows; else they are unpacked here. kPrefetch: the tile's stream prefetched ahead (a single block, a decode step's,
+// or the first of several).
+template <class F, int R, bool kUnpacked, bool kPrefetch>
 inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const typename F::Params* heads, float* c,
                      int64_t ldc, int64_t ncols) {
   using namespace simd;
@@ -653,7 +654,7 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const type
   const int64_t num_groups = x.K / F::kGroup;
   for (int64_t g = 0; g < num_groups; ++g) {
     const uint8_t* grp = F::group(tile, g);
-    if constexpr (!kUnpacked) F::prefetch(tile, g);
+    if constexpr (kPrefetch) F::prefetch(tile, g);
     const int8_t* xg = x.q + m * x.K + g * F::kGroup;
     typename F::Acc a0[R], a1[R];
     q8_group_sums<F, R>(grp, xg, x.K, a0, a1);
@@ -675,30 +676,35 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const type
   for (int r = 0; r < R; ++r) store_panel_row(c + r * ldc, f0[r], f1[r], ncols);
 }
 
-template <class F, int R, bool kUnpacked>
+template <class F, int R, bool kUnpacked, bool kPrefetch>
 inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile, const typename F::Params* heads,
                        float* c, int64_t ldc, int64_t ncols) {
   if constexpr (R >= 1) {
-    if (rows == R) return q8_block<F, R, kUnpacked>(x, m, tile, heads, c, ldc, ncols);
-    q8_block_n<F, R - 1, kUnpacked>(rows, x, m, tile, heads, c, ldc, ncols);
+    if (rows == R) return q8_block<F, R, kUnpacked, kPrefetch>(x, m, tile, heads, c, ldc, ncols);
+    q8_block_n<F, R - 1, kUnpacked, kPrefetch>(rows, x, m, tile, heads, c, ldc, ncols);
   }
 }
 
 // q8_rows for more than one register block: the groups' scales and mins unpacked once for all the blocks (a K-quant's
 // six-bit multipliers times its fp16 units: about as many instructions per group as one row's epilogue), the tile's
-// stream prefetched once, not once per block. Out of line: inlined into q8_rows, it changed how GCC laid out the
-// one-block path (a decode step's), 6% slower at one row on AVX2.
+// stream prefetched group by group during the first block (the whole tile's prefetches issued up front, before the
+// first block, left 16-row decode steps waiting on memory: the 1.5B's LM head at 16 rows took 22.4 ms, now 17.4).
+// Out of line: inlined into q8_rows, it changed how GCC laid out the one-block path (a decode step's), 6% slower at
+// one row on AVX2.
 template <class F>
 __attribute__((noinline)) void q8_blocks_unpacked(const Q8Acts& x, int64_t m0, int64_t m1, int64_t num_chunks,
                                                   const uint8_t* tile, float* y, int64_t ldy, int64_t ncols) {
   thread_local std::vector<typename F::Params> heads;
   const int64_t num_groups = x.K / F::kGroup;
   if (heads.size() < size_t(num_groups)) heads.resize(num_groups);
-  for (int64_t g = 0; g < num_groups; ++g) F::prefetch(tile, g), heads[g] = F::params(tile, g);
+  for (int64_t g = 0; g < num_groups; ++g) heads[g] = F::params(tile, g);
   int64_t m = m0;
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t rows = (m1 - m) / (num_chunks - c);
-    q8_block_n<F, F::kRows, true>(static_cast<int>(rows), x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
+    const int rows = static_cast<int>((m1 - m) / (num_chunks - c));
+    if (c == 0)
+      q8_block_n<F, F::kRows, true, true>(rows, x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
+    else
+      q8_block_n<F, F::kRows, true, false>(rows, x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
     m += rows;
   }
 }
@@ -710,7 +716,7 @@ inline void q8_rows(const Q8Acts& x, int64_t m0, int64_t m1, const uint8_t* tile
                     int64_t ncols) {
   const int64_t num_chunks = (m1 - m0 + F::kRows - 1) / F::kRows;
   if (num_chunks > 1) return q8_blocks_unpacked<F>(x, m0, m1, num_chunks, tile, y, ldy, ncols);
-  q8_block_n<F, F::kRows, false>(static_cast<int>(m1 - m0), x, m0, tile, nullptr, y + m0 * ldy, ldy, ncols);
+  q8_block_n<F, F::kRows, false, true>(static_cast<int>(m1 - m0), x, m0, tile, nullptr, y + m0 * ldy, ldy, ncols);
 }
 
 using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, float*,
