@@ -134,9 +134,7 @@ def forward_cost(
     num_logit_rows = sum(r.num_logit_rows for r in rows)
     num_pairs = sum(r.num_causal_pairs for r in rows)
     attention_flops = 4 * shape.num_layers * shape.num_heads * shape.head_dim * num_pairs
-    flops = (
-        2 * shape.matmul_params * num_tokens + attention_flops + 2 * shape.lm_head_params * num_logit_rows
-    )
+    flops = 2 * shape.matmul_params * num_tokens + attention_flops + 2 * shape.lm_head_params * num_logit_rows
     weight_params = shape.matmul_params + (shape.lm_head_params if num_logit_rows else 0)
     kv_read = shape.num_layers * 2 * shape.kv_dim * kv_bytes * sum(r.seq_len for r in rows)
     return Cost(float(flops), weight_params * weight_bytes + kv_read, float(attention_flops))
