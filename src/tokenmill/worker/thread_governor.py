@@ -10,7 +10,9 @@ keeps winning is probed more rarely (the interval doubles up to ``max_probe_ever
 probes cost about ``probe_steps / max_probe_every`` of the steps at the slower count; a sudden slowdown (a decode
 step at less than ``collapse`` of the recent efficiency, ``collapse_steps`` times in a row) probes at once.
 A probe that cannot win ends early, keeping the count: its first ``probe_abort_steps`` steps all below
-``abort_below`` of the chosen count's efficiency, or one below ``collapse`` of it. On a quiet machine one thread
+``abort_below`` of the chosen count's efficiency, or one below ``collapse`` of it; a probe that ended in a collapse
+puts the next one four times as far off instead of twice (``collapse_backoff``), since each probe back into a busy
+neighbour's core costs a step several times a one-thread step's. On a quiet machine one thread
 fewer is plainly slower (the 1.5B's 16-row decode steps took 0.26 s at one thread against 0.15 s at two: six such
 steps a probe cost 3-4% of a short run), and beside a busy neighbour every probe back to two threads is a step that
 waits for the starved one. Switching still takes the whole probe. The first probe comes after
@@ -41,6 +43,7 @@ class ThreadGovernor:
         probe_abort_steps: int = 2,
         abort_below: float = 0.8,
         first_probe_after: int = 8,
+        collapse_backoff: int = 4,
     ) -> None:
         if max_threads < 2:
             raise ValueError(f"a thread governor needs at least 2 threads, got {max_threads}")
@@ -57,6 +60,7 @@ class ThreadGovernor:
         self.probe_steps, self.margin = probe_steps, margin
         self.collapse, self.collapse_steps = collapse, collapse_steps
         self.probe_abort_steps, self.abort_below = probe_abort_steps, abort_below
+        self.collapse_backoff = collapse_backoff
         self._recent: deque[float] = deque(maxlen=probe_steps)  # efficiencies at the chosen count
         self._probe: list[float] = []  # efficiencies at the probed count, while probing
         self._probing: int | None = None  # the count being probed
@@ -108,9 +112,13 @@ class ThreadGovernor:
         if not self._recent:
             return False
         current, best = statistics.median(self._recent), max(self._probe)
-        return best < self.collapse * current or (
+        return self._collapsed() or (
             len(self._probe) >= self.probe_abort_steps and best < self.abort_below * current
         )
+
+    def _collapsed(self) -> bool:
+        """The probe's steps so far all below ``collapse`` of the chosen count's efficiency."""
+        return bool(self._recent) and max(self._probe) < self.collapse * statistics.median(self._recent)
 
     def _other(self) -> int:
         return self.num_threads - 1 if self.num_threads == self.max_threads else self.max_threads
@@ -129,6 +137,7 @@ class ThreadGovernor:
             self._reference = probed
             self.probe_every = self.min_probe_every
         else:
-            self.probe_every = min(self.max_probe_every, 2 * self.probe_every)
+            backoff = self.collapse_backoff if self._collapsed() else 2
+            self.probe_every = min(self.max_probe_every, backoff * self.probe_every)
         self._probing, self._probe, self._since_probe = None, [], 0
         self._apply(self.num_threads)
