@@ -85,19 +85,24 @@ def test_a_plainly_slower_probe_ends_early_and_a_close_one_runs_whole() -> None:
     assert probes and all(used[i + 1] == 1 for i in probes)  # a step into the collapse ends each probe
     m = Machine()
     g = m.governor
-    m.run(50, QUIET)
-    m.run(40, BUSY)
-    used = m.run(3 * g.max_probe_every, BUSY)
-    probes = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    # each collapsed probe puts the next four times as far off (its own step counted), up to the longest interval
-    assert gaps[:2] == [4 * g.min_probe_every + 1, g.max_probe_every + 1], gaps
-    m = Machine()
-    g = m.governor
     close = {2: 0.90, 1: 0.85}  # one thread fewer nearly as fast: the whole probe decides
     used = m.run(first + 20, close)
     assert used[first : first + g.probe_steps + 1] == [1] * g.probe_steps + [2]
     assert g.num_threads == 2
+
+
+def test_a_probe_into_a_collapse_backs_off_four_times() -> None:
+    """Beside a busy neighbour each probe back to two threads costs a collapsed step: the next comes four times as
+    far off (its own step counted in the gap), up to the longest interval, where a merely slower probe doubles it."""
+    m = Machine()
+    g = m.governor
+    m.run(50, QUIET)
+    m.run(40, BUSY)
+    assert g.num_threads == 1
+    used = m.run(3 * g.max_probe_every, BUSY)
+    probes = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:2] == [4 * g.min_probe_every + 1, g.max_probe_every + 1], gaps
 
 
 def test_a_prompt_during_a_probe_runs_at_the_chosen_count() -> None:
