@@ -11,8 +11,8 @@ probes cost about ``probe_steps / max_probe_every`` of the steps at the slower c
 step at less than ``collapse`` of the recent efficiency, ``collapse_steps`` times in a row) probes at once.
 A probe that cannot win ends early, keeping the count: its first ``probe_abort_steps`` steps all below
 ``abort_below`` of the chosen count's efficiency, or one below ``collapse`` of it; a probe that ended in a collapse
-puts the next one four times as far off instead of twice (``collapse_backoff``), since each probe back into a busy
-neighbour's core costs a step several times a one-thread step's. On a quiet machine one thread
+puts the next one four times as far off (``collapse_backoff``; a merely slower one doubles the interval), since each
+probe back into a busy neighbour's core costs a step several times a one-thread step's. On a quiet machine one thread
 fewer is plainly slower (the 1.5B's 16-row decode steps took 0.26 s at one thread against 0.15 s at two: six such
 steps a probe cost 3-4% of a short run), and beside a busy neighbour every probe back to two threads is a step that
 waits for the starved one. Switching still takes the whole probe. The first probe comes after

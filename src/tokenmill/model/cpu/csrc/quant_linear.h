@@ -688,7 +688,7 @@ inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile
 // q8_rows for more than one register block: the groups' scales and mins unpacked once for all the blocks (a K-quant's
 // six-bit multipliers times its fp16 units: about as many instructions per group as one row's epilogue), the tile's
 // stream prefetched group by group during the first block (the whole tile's prefetches issued up front, before the
-// first block, left 16-row decode steps waiting on memory: the 1.5B's LM head at 16 rows took 22.4 ms, now 17.4).
+// first block, leave 16-row decode steps waiting on memory: the 1.5B's LM head at 16 rows 22.4 ms against 17.4).
 // Out of line: inlined into q8_rows, it changed how GCC laid out the one-block path (a decode step's), 6% slower at
 // one row on AVX2.
 template <class F>
