@@ -109,16 +109,20 @@ class ThreadGovernor:
         """The probe cannot win, so it ends: its first ``probe_abort_steps`` steps all below ``abort_below`` of the
         chosen count's efficiency, or its steps so far below ``collapse`` of it (a probe into a busy neighbour's
         core: every step it runs costs several)."""
-        if not self._recent:
-            return False
-        current, best = statistics.median(self._recent), max(self._probe)
-        return self._collapsed() or (
-            len(self._probe) >= self.probe_abort_steps and best < self.abort_below * current
-        )
+        ratio = self._best_probe_ratio()
+        early = len(self._probe) >= self.probe_abort_steps
+        return ratio is not None and (ratio < self.collapse or (early and ratio < self.abort_below))
 
     def _collapsed(self) -> bool:
         """The probe's steps so far all below ``collapse`` of the chosen count's efficiency."""
-        return bool(self._recent) and max(self._probe) < self.collapse * statistics.median(self._recent)
+        ratio = self._best_probe_ratio()
+        return ratio is not None and ratio < self.collapse
+
+    def _best_probe_ratio(self) -> float | None:
+        """The probe's best step so far over the chosen count's usual efficiency; None with nothing to compare."""
+        if not self._recent or not self._probe:
+            return None
+        return max(self._probe) / statistics.median(self._recent)
 
     def _other(self) -> int:
         return self.num_threads - 1 if self.num_threads == self.max_threads else self.max_threads
