@@ -6,7 +6,10 @@ thread governor, ``worker/thread_governor.py``), side by side in one run.
 The neighbour is a second process spinning on one core (a plain Python loop) for the whole of a measurement; the
 engine is the default one (``LLM``) with ``num_threads`` and ``adaptive_threads`` set per row. Each row is the
 best of ``--repeats`` runs of ``--tokens`` greedy tokens after a short chat prompt, EOS ignored. The target: with
-the neighbour, the default never below the 1-thread rate.
+the neighbour, the default never below the 1-thread rate. The rows run one after another, so a machine whose speed
+drifts moves their ratio by several percent; the default's row also counts its busy decode steps at every thread
+(each waited for the starved thread: the neighbour's arrival seen, then each probe back) and the steps a probe
+waited on the load counters (``worker/cpu_load.py``), which drift does not move.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             [{"role": "user", "content": "Write a long story about a lighthouse."}]
         )
         quiet = decode_tps(llm, prompt, args.tokens, args.repeats)
+        governor = llm.engine.thread_governor
+        before = governor.decode_steps_at[max_threads] if governor is not None else 0
         spinner = subprocess.Popen([sys.executable, "-c", _SPIN])
         try:
             time.sleep(0.5)
@@ -65,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             spinner.kill()
             spinner.wait()
         results[label] = {"quiet": quiet, "busy": busy}
-        print(f"{label:<12} {quiet:12.1f} {busy:12.1f}", flush=True)
+        detail = ""
+        if (
+            governor is not None
+        ):  # the busy decode steps that waited for a starved thread, and the probes saved
+            collapsed = governor.decode_steps_at[max_threads] - before
+            detail = f"  ({collapsed} busy steps at {max_threads} threads, probes deferred {governor.num_probes_deferred})"
+        print(f"{label:<12} {quiet:12.1f} {busy:12.1f}{detail}", flush=True)
         del llm
     single, default = results["1 thread"]["busy"], results["default"]["busy"]
     verdict = "PASS" if default >= 0.95 * single else "FAIL"

@@ -44,6 +44,7 @@ from tokenmill.outputs import CompletionOutput, Logprob, RequestDelta, RequestMe
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.stats import EngineStats
+from tokenmill.worker.cpu_load import CpuLoad
 from tokenmill.worker.thread_governor import ThreadGovernor
 
 Prompt = str | Sequence[int]
@@ -342,7 +343,7 @@ class Engine:
             self.loaded.weight_bytes / (shape.matmul_params + shape.lm_head_params),
             torch.empty((), dtype=self.loaded.dtype).element_size(),
         )
-        return ThreadGovernor(max_threads, torch.set_num_threads), roofline
+        return ThreadGovernor(max_threads, torch.set_num_threads, load=CpuLoad.of_this_process()), roofline
 
     def _load_draft(self) -> Any:
         """Speculative decoding's draft model (method "draft_model"), refused unless its vocabulary is the target's."""

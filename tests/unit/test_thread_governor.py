@@ -1,10 +1,13 @@
 """The thread governor against a simulated machine: each step's efficiency depends on the thread count in use and
-on whether a neighbour holds a core."""
+on whether a neighbour holds a core; with the kernel's load counters simulated too, and those counters' reader."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from tokenmill.worker.cpu_load import CpuLoad, read_busy_s
 from tokenmill.worker.thread_governor import ThreadGovernor
 
 # efficiency (bound / wall time) of a decode step: (threads, neighbour busy) -> efficiency
@@ -124,3 +127,130 @@ def test_a_prompt_during_a_probe_runs_at_the_chosen_count() -> None:
         g.begin_step("decode")
         g.observe("decode", bound_s=close[m.threads] * 0.01, step_s=0.01)
     assert g._probing is None and g.num_threads == 2 and m.threads == 2
+
+
+class Counters:
+    """A CpuLoad's inputs on the simulated machine: each decode step takes 10 ms; the neighbour, while there, keeps
+    one core busy; this process keeps `threads` cores busy."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine, self.neighbour = machine, False
+        self.now_s = self.busy_s = self.own_s = 0.0
+        self.phantom = 0.0  # load the counters show that takes no core of this machine's
+
+    def step(self) -> None:
+        self.now_s += 0.01
+        self.own_s += 0.01 * self.machine.threads
+        self.busy_s += 0.01 * (self.machine.threads + self.neighbour + self.phantom)
+
+
+def machine_with_counters(readable: bool = True) -> tuple[Machine, Counters]:
+    """The counters readable at the start, and after it as `readable` says."""
+    m = Machine()
+    c = Counters(m)
+    started = [False]
+
+    def read_busy() -> float:
+        if started[0] and not readable:
+            raise OSError("no counters")
+        return c.busy_s
+
+    load = CpuLoad(frozenset({0, 1}), read_busy, own_cpu_s=lambda: c.own_s, clock=lambda: c.now_s)
+    started[0] = True
+    m.governor = ThreadGovernor(2, m.set_threads, load=load)
+    return m, c
+
+
+def run_counted(m: Machine, c: Counters, num_steps: int, neighbour: bool) -> list[int]:
+    c.neighbour = neighbour
+    table = BUSY if neighbour else QUIET
+    used = []
+    for _ in range(num_steps):
+        used.append(m.threads)
+        c.step()
+        m.governor.observe("decode", bound_s=table[m.threads] * 0.01, step_s=0.01)
+    return used
+
+
+def test_the_counters_keep_probes_out_of_a_neighbours_core_until_it_leaves() -> None:
+    m, c = machine_with_counters()
+    g = m.governor
+    run_counted(m, c, 50, neighbour=False)
+    run_counted(m, c, 40, neighbour=True)
+    assert g.num_threads == 1  # the collapse found as before
+    used = run_counted(m, c, 3 * g.max_probe_every, neighbour=True)
+    # no probe back, where the governor without counters probes after 4 x 32 steps and then every 512
+    assert 2 not in used and g.num_probes_deferred > 2 * g.max_probe_every
+    assert g.decode_steps_at[1] + g.decode_steps_at[2] == 50 + 40 + len(used)  # every decode step tallied
+    after = run_counted(m, c, 2 * g.min_probe_every, neighbour=False)
+    assert (
+        g.num_threads == 2 and 2 in after[: g.min_probe_every // 2]
+    )  # probed back within the first readings
+
+
+def test_counters_that_mislead_delay_a_probe_once_then_go_unread() -> None:
+    """A reading that says the cores are taken while they are not (a host's load seen from a container): the probe
+    back waits max_deferral steps, wins, and the governor stops reading the counters."""
+    m, c = machine_with_counters()
+    g = m.governor
+    g.max_deferral = 300
+    run_counted(m, c, 50, neighbour=False)
+    run_counted(m, c, 40, neighbour=True)
+    assert g.num_threads == 1
+    c.phantom = 40.0  # from here on every reading says the cores are taken
+    used = run_counted(m, c, g.min_probe_every + g.max_deferral + 20, neighbour=False)
+    assert 2 not in used[: g.max_deferral] and used[-1] == 2 and g.num_threads == 2
+    assert g._load is None  # misled once: unread from now on
+
+
+def test_without_counters_the_probes_are_the_timings_alone() -> None:
+    m, c = machine_with_counters(readable=False)
+    g = m.governor
+    run_counted(m, c, 50, neighbour=False)
+    run_counted(m, c, 40, neighbour=True)
+    used = run_counted(m, c, 3 * g.max_probe_every, neighbour=True)
+    probes = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    assert len(probes) >= 2 and g.num_probes_deferred == 0
+
+
+def test_the_load_is_the_cores_busy_time_less_this_process(tmp_path) -> None:
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+
+    def write(cpu0: list[int], cpu1: list[int]) -> None:
+        total = [a + b for a, b in zip(cpu0, cpu1, strict=True)]
+        lines = [" ".join(map(str, ["cpu", *total])), " ".join(map(str, ["cpu0", *cpu0]))]
+        stat.write_text("\n".join([*lines, " ".join(map(str, ["cpu1", *cpu1])), "intr 1 2 3", ""]))
+
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    write([100, 0, 20, 900, 5, 1, 1, 3, 0, 0], [50, 10, 10, 950, 0, 0, 0, 0, 0, 0])
+    assert read_busy_s(frozenset({0, 1}), str(stat)) == pytest.approx((125 + 70) / hz)
+    assert read_busy_s(frozenset({1}), str(stat)) == pytest.approx(70 / hz)
+    with pytest.raises(ValueError, match="no counters for CPUs \\[2\\]"):
+        read_busy_s(frozenset({1, 2}), str(stat))
+    now, own = [0.0], [0.0]
+    load = CpuLoad(
+        frozenset({0, 1}), lambda: read_busy_s(frozenset({0, 1}), str(stat)), lambda: own[0], lambda: now[0]
+    )
+    now[0] = 0.05
+    assert load.other_cores() is None  # shorter than the window
+    # one second later: both cores 1.5 s busier, this process ran 0.5 s of it
+    write([100 + hz, 0, 20, 900, 5, 1, 1, 3, 0, 0], [50 + hz // 2, 10, 10, 950 + hz // 2, 0, 0, 0, 0, 0, 0])
+    now[0], own[0] = 1.0, 0.5
+    assert load.other_cores() == pytest.approx((hz + hz // 2) / hz - 0.5)
+    now[0], own[0] = 2.0, 1.5  # nothing busier, yet this process ran: never below 0
+    assert load.other_cores() == 0.0
+    stat.unlink()
+    now[0] = 3.0
+    assert load.other_cores() is None  # the counters gone
+
+
+def test_this_process_has_a_reading_on_linux() -> None:
+    load = CpuLoad.of_this_process()
+    if not os.path.exists("/proc/stat"):
+        assert load is None
+        return
+    assert load is not None and load.num_cpus == len(os.sched_getaffinity(0))
+    load.min_window_s = 0.0
+    reading = load.other_cores()
+    assert reading is not None and 0.0 <= reading <= load.num_cpus + 0.5

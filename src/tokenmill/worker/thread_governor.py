@@ -18,6 +18,11 @@ steps a probe cost 3-4% of a short run), and beside a busy neighbour every probe
 waits for the starved one. Switching still takes the whole probe. The first probe comes after
 ``first_probe_after`` decode steps: an engine that starts beside a busy neighbour has no quiet steps to see a
 collapse against.
+Where the kernel's counters can be read (``worker/cpu_load.py``), a periodic probe back to more threads waits while
+other processes hold the cores those threads would need (less than half a core free per added thread): beside a
+busy neighbour it would run a step that waits for a starved thread, and the counters say so for free. It waits at
+most ``max_deferral`` decode steps past its time; if that probe wins anyway, the counters misled (a host's load seen
+from inside a container) and the governor stops reading them.
 A step with prompt tokens in it always runs at the chosen count: a probe pauses for it (``begin_step``), so a
 prompt that arrives during a probe does not wait on the count under trial.
 """
@@ -25,8 +30,10 @@ prompt that arrives during a probe does not wait on the count under trial.
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
+
+from tokenmill.worker.cpu_load import CpuLoad
 
 
 class ThreadGovernor:
@@ -44,6 +51,8 @@ class ThreadGovernor:
         abort_below: float = 0.8,
         first_probe_after: int = 8,
         collapse_backoff: int = 4,
+        load: CpuLoad | None = None,
+        max_deferral: int = 4096,
     ) -> None:
         if max_threads < 2:
             raise ValueError(f"a thread governor needs at least 2 threads, got {max_threads}")
@@ -61,6 +70,10 @@ class ThreadGovernor:
         self.collapse, self.collapse_steps = collapse, collapse_steps
         self.probe_abort_steps, self.abort_below = probe_abort_steps, abort_below
         self.collapse_backoff = collapse_backoff
+        self._load, self.max_deferral = load, max_deferral
+        self._other_cores: float | None = None  # other processes' load at the last reading, in cores
+        self.num_probes_deferred = 0  # decode steps a due probe waited for taken cores
+        self.decode_steps_at: Counter[int] = Counter()  # decode steps run at each thread count
         self._recent: deque[float] = deque(maxlen=probe_steps)  # efficiencies at the chosen count
         self._probe: list[float] = []  # efficiencies at the probed count, while probing
         self._probing: int | None = None  # the count being probed
@@ -86,6 +99,10 @@ class ThreadGovernor:
         if kind != "decode" or step_s <= 0 or bound_s <= 0:
             return
         efficiency = bound_s / step_s
+        self.decode_steps_at[self._applied] += 1
+        if self._load is not None:
+            other = self._load.other_cores()
+            self._other_cores = other if other is not None else self._other_cores
         if self._probing is not None:
             self._probe.append(efficiency)
             if len(self._probe) >= self.probe_steps or self._plainly_slower():
@@ -103,7 +120,18 @@ class ThreadGovernor:
             self._recent = deque(list(self._recent)[-self.collapse_steps :], maxlen=self.probe_steps)
             self._start_probe()
         elif self._since_probe >= self.probe_every and len(self._recent) == self._recent.maxlen:
-            self._start_probe()
+            if self._cores_taken() and self._since_probe < self.probe_every + self.max_deferral:
+                self.num_probes_deferred += 1
+            else:
+                self._start_probe()
+
+    def _cores_taken(self) -> bool:
+        """A probe to more threads would find the cores they need taken: other processes' last reading leaves less
+        than half a core free per added thread."""
+        added = self._other() - self.num_threads
+        if added <= 0 or self._load is None or self._other_cores is None:
+            return False
+        return self._load.num_cpus - self.num_threads - self._other_cores < 0.5 * added
 
     def _plainly_slower(self) -> bool:
         """The probe cannot win, so it ends: its first ``probe_abort_steps`` steps all below ``abort_below`` of the
@@ -136,6 +164,8 @@ class ThreadGovernor:
         current = statistics.median(self._recent) if self._recent else 0.0
         probed = statistics.median(self._probe)
         if probed > current * (1 + self.margin):
+            if self._probing > self.num_threads and self._cores_taken():
+                self._load = None  # more threads won where the counters said their cores were taken
             self.num_threads, self.num_switches = self._probing, self.num_switches + 1
             self._recent = deque(self._probe[-self.probe_steps :], maxlen=self.probe_steps)
             self._reference = probed
