@@ -7,8 +7,8 @@ The neighbour is a second process spinning on one core (a plain Python loop) for
 engine is the default one (``LLM``) with ``num_threads`` and ``adaptive_threads`` set per row. Each row is the
 best of ``--repeats`` runs of ``--tokens`` greedy tokens after a short chat prompt, EOS ignored. The target: with
 the neighbour, the default never below the 1-thread rate. The rows run one after another, so a machine whose speed
-drifts moves their ratio by several percent; the default's row also counts its busy decode steps at every thread
-(each waited for the starved thread: the neighbour's arrival seen, then each probe back) and the steps a probe
+drifts moves their ratio by several percent; the default's row also counts its busy decode steps at all the threads
+(each waited for the starved thread: the neighbour's arrival seen, then each probe back) and the steps a due probe
 waited on the load counters (``worker/cpu_load.py``), which drift does not move.
 """
 
@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             spinner.wait()
         results[label] = {"quiet": quiet, "busy": busy}
         detail = ""
-        if (
-            governor is not None
-        ):  # the busy decode steps that waited for a starved thread, and the probes saved
+        if governor is not None:
+            # the busy decode steps that waited for a starved thread, and the steps a due probe waited
             collapsed = governor.decode_steps_at[max_threads] - before
-            detail = f"  ({collapsed} busy steps at {max_threads} threads, probes deferred {governor.num_probes_deferred})"
+            deferred = governor.num_probes_deferred
+            detail = f"  ({collapsed} busy steps at {max_threads} threads, probes deferred {deferred})"
         print(f"{label:<12} {quiet:12.1f} {busy:12.1f}{detail}", flush=True)
         del llm
     single, default = results["1 thread"]["busy"], results["default"]["busy"]
