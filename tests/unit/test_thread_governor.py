@@ -188,6 +188,23 @@ def test_the_counters_keep_probes_out_of_a_neighbours_core_until_it_leaves() -> 
     )  # probed back within the first readings
 
 
+def test_an_engine_started_beside_a_neighbour_probes_at_the_first_reading() -> None:
+    """No quiet steps to see a collapse against: without counters the first probe waits first_probe_after decode
+    steps; with them it starts at the first reading (here every 3 steps)."""
+    firsts = []
+    for readable in (True, False):
+        m, c = machine_with_counters(readable)
+        m.governor._load.min_window_s = 0.03  # type: ignore[union-attr]
+        used = run_counted(m, c, 40, neighbour=True)
+        assert m.governor.num_threads == 1
+        firsts.append(used.index(1))
+    assert firsts[0] <= 4 and firsts[1] == 8  # the default first_probe_after
+    m, c = machine_with_counters()
+    m.governor._load.min_window_s = 0.03  # type: ignore[union-attr]
+    used = run_counted(m, c, 40, neighbour=False)
+    assert used.index(1) == 8  # a quiet machine's counters start nothing early
+
+
 def test_counters_that_mislead_delay_a_probe_once_then_go_unread() -> None:
     """A reading that says the cores are taken while they are not (a host's load seen from a container): the probe
     back waits max_deferral steps, wins, and the governor stops reading the counters."""

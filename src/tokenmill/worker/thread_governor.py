@@ -22,7 +22,10 @@ Where the kernel's counters can be read (``worker/cpu_load.py``), a periodic pro
 other processes hold the cores those threads would need (less than half a core free per added thread): beside a
 busy neighbour it would run a step that waits for a starved thread, and the counters say so for free. It waits at
 most ``max_deferral`` decode steps past its time; if that probe wins anyway, the counters misled (a host's load seen
-from inside a container) and the governor stops reading them.
+from inside a container) and the governor stops reading them. Before the first probe, a reading of at least
+``neighbour_cores`` while every thread runs starts it at once (a neighbour spinning on one of 2 cores read 0.3-1.0
+cores beside two threads, a quiet machine 0.0-0.14): an engine started beside a busy neighbour then spends one
+reading's window, not ``first_probe_after`` steps, waiting for the starved thread.
 A step with prompt tokens in it always runs at the chosen count: a probe pauses for it (``begin_step``), so a
 prompt that arrives during a probe does not wait on the count under trial.
 """
@@ -53,6 +56,7 @@ class ThreadGovernor:
         collapse_backoff: int = 4,
         load: CpuLoad | None = None,
         max_deferral: int = 4096,
+        neighbour_cores: float = 0.4,
     ) -> None:
         if max_threads < 2:
             raise ValueError(f"a thread governor needs at least 2 threads, got {max_threads}")
@@ -70,7 +74,8 @@ class ThreadGovernor:
         self.collapse, self.collapse_steps = collapse, collapse_steps
         self.probe_abort_steps, self.abort_below = probe_abort_steps, abort_below
         self.collapse_backoff = collapse_backoff
-        self._load, self.max_deferral = load, max_deferral
+        self._load, self.max_deferral, self.neighbour_cores = load, max_deferral, neighbour_cores
+        self.num_probes = 0
         self._other_cores: float | None = None  # other processes' load at the last reading, in cores
         self.num_probes_deferred = 0  # decode steps a due probe waited for taken cores
         self.decode_steps_at: Counter[int] = Counter()  # decode steps run at each thread count
@@ -119,11 +124,22 @@ class ThreadGovernor:
         if self._num_slow >= self.collapse_steps:  # compare with the slow steps alone: they are the present
             self._recent = deque(list(self._recent)[-self.collapse_steps :], maxlen=self.probe_steps)
             self._start_probe()
+        elif self._neighbour_before_first_probe():
+            self._start_probe()
         elif self._since_probe >= self.probe_every and len(self._recent) == self._recent.maxlen:
             if self._cores_taken() and self._since_probe < self.probe_every + self.max_deferral:
                 self.num_probes_deferred += 1
             else:
                 self._start_probe()
+
+    def _neighbour_before_first_probe(self) -> bool:
+        """No probe yet, every thread running, and the counters show another process holding a share of a core."""
+        return (
+            self.num_probes == 0
+            and self.num_threads == self.max_threads
+            and self._other_cores is not None
+            and self._other_cores >= self.neighbour_cores
+        )
 
     def _cores_taken(self) -> bool:
         """A probe to more threads would find the cores they need taken: other processes' last reading leaves less
@@ -157,6 +173,7 @@ class ThreadGovernor:
 
     def _start_probe(self) -> None:
         self._probing, self._probe, self._num_slow = self._other(), [], 0
+        self.num_probes += 1
         self._apply(self._probing)
 
     def _decide(self) -> None:
