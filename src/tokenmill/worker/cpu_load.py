@@ -56,6 +56,7 @@ class CpuLoad:
         self._read_busy, self._own_cpu_s, self._clock = read_busy, own_cpu_s, clock
         self.min_window_s = min_window_s
         self._last = self._snapshot()
+        self._reading: float | None = None  # over the last window
 
     @classmethod
     def of_this_process(cls) -> CpuLoad | None:
@@ -71,14 +72,17 @@ class CpuLoad:
         return self._clock(), self._read_busy(), self._own_cpu_s()
 
     def other_cores(self) -> float | None:
-        """Cores' worth of CPU time other processes took since the last reading that returned a number (never
-        below 0); None while that window is shorter than ``min_window_s`` or the counters stopped reading."""
+        """Cores' worth of CPU time other processes took over the last window (never below 0): read anew once
+        ``min_window_s`` has passed since the last reading, else that reading again; None before the first reading
+        and once the counters stop reading."""
         if self._clock() - self._last[0] < self.min_window_s:
-            return None
+            return self._reading
         try:
             now = self._snapshot()
         except (OSError, ValueError):
+            self._reading = None
             return None
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
         self._last = now
-        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+        self._reading = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+        return self._reading

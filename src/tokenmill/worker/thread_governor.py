@@ -76,7 +76,6 @@ class ThreadGovernor:
         self.collapse_backoff = collapse_backoff
         self._load, self.max_deferral, self.neighbour_cores = load, max_deferral, neighbour_cores
         self.num_probes = 0
-        self._other_cores: float | None = None  # other processes' load at the last reading, in cores
         self.num_probes_deferred = 0  # decode steps a due probe waited for taken cores
         self.decode_steps_at: Counter[int] = Counter()  # decode steps run at each thread count
         self._recent: deque[float] = deque(maxlen=probe_steps)  # efficiencies at the chosen count
@@ -105,9 +104,10 @@ class ThreadGovernor:
             return
         efficiency = bound_s / step_s
         self.decode_steps_at[self._applied] += 1
-        if self._load is not None:
-            other = self._load.other_cores()
-            self._other_cores = other if other is not None else self._other_cores
+        if (
+            self._load is not None
+        ):  # read every window: a reading then covers the last one, not all since a probe
+            self._load.other_cores()
         if self._probing is not None:
             self._probe.append(efficiency)
             if len(self._probe) >= self.probe_steps or self._plainly_slower():
@@ -134,20 +134,19 @@ class ThreadGovernor:
 
     def _neighbour_before_first_probe(self) -> bool:
         """No probe yet, every thread running, and the counters show another process holding a share of a core."""
-        return (
-            self.num_probes == 0
-            and self.num_threads == self.max_threads
-            and self._other_cores is not None
-            and self._other_cores >= self.neighbour_cores
-        )
+        if self.num_probes or self.num_threads != self.max_threads or self._load is None:
+            return False
+        other = self._load.other_cores()
+        return other is not None and other >= self.neighbour_cores
 
     def _cores_taken(self) -> bool:
         """A probe to more threads would find the cores they need taken: other processes' last reading leaves less
         than half a core free per added thread."""
         added = self._other() - self.num_threads
-        if added <= 0 or self._load is None or self._other_cores is None:
+        if added <= 0 or self._load is None:
             return False
-        return self._load.num_cpus - self.num_threads - self._other_cores < 0.5 * added
+        other = self._load.other_cores()
+        return other is not None and self._load.num_cpus - self.num_threads - other < 0.5 * added
 
     def _plainly_slower(self) -> bool:
         """The probe cannot win, so it ends: its first ``probe_abort_steps`` steps all below ``abort_below`` of the
