@@ -17,7 +17,7 @@ OFFLINE_BATCHED_TOKENS = 2048
 # kernels, the arithmetic model/arithmetic.py chooses for that file ("gguf-q8" where measured quality allows, and
 # for files not measured; "gguf" where not), else the weights in the dtype; "gguf": GGUF blocks kept quantized
 # (model/gguf_blocks.py), the exact path: fp32 arithmetic on their exact values; "gguf-q8": the same blocks times
-# activations rounded to 8 bits per 32 with integer dot products (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with the projections' blocks rounded to 4 bits
+# activations rounded to 8 bits (per 256 for K-quants, else per 32) with integer dot products (llama.cpp's arithmetic, faster); "gguf-q4": as gguf-q8 with the projections' blocks rounded to 4 bits
 # with a min per 32 at load (approximate weights, the fewest bytes a token: a speculative draft's default);
 # "fp32": a GGUF dequantized at load (a no-op for a directory); "int8": weight-only int8 made from the
 # dequantized weights (model/quant.py).

@@ -39,7 +39,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="for a GGUF on CPU the default is gguf-q8 where measured quality allows (`tokenmill info --load` "
         "says which and why); gguf: the exact path, fp32 activations times the quantized blocks' exact values; "
-        "gguf-q8: the same blocks times activations rounded to 8 bits per 32, integer dot products (llama.cpp's "
+        "gguf-q8: the same blocks times activations rounded to 8 bits (per 256 for K-quants, else per 32), integer "
+        "dot products (llama.cpp's "
         "arithmetic, faster); gguf-q4: as gguf-q8 with "
         "the projections rounded to 4 bits at load (approximate, fewest bytes: a draft's default); fp32: dequantize them "
         "at load; int8: weight-only int8 from the fp32 weights",

@@ -15,7 +15,7 @@ _EMBEDDED = ("llama", "Smollm2 135M 8k Lc100K Mix1 Ep2", 98_362_432)
 def test_a_measured_model_within_the_rule_gets_llama_cpp_arithmetic() -> None:
     choice = choose(*_EMBEDDED, kernel_variant="avx2")
     assert choice.quantization == LLAMA_CPP
-    assert "measured on SmolLM2-135M-Instruct" in choice.reason and "97.34%" in choice.reason
+    assert "measured on SmolLM2-135M-Instruct" in choice.reason and "97.46%" in choice.reason
     assert "Q8_0/IQ4 tensors exact (rounded too: prose perplexity +0.37%, top-1 96.72%" in choice.reason
 
 
@@ -54,6 +54,25 @@ def test_wide_quads_unless_measured_outside_the_rule_with_them(monkeypatch: pyte
     assert arithmetic.wide_quads("qwen2", "M", 2) is True
     monkeypatch.setenv(arithmetic.WIDE_QUADS_ENV, "0")
     assert arithmetic.wide_quads("qwen2", "M", 1000) is False
+
+
+def test_super_block_activations_unless_measured_outside_the_rule_with_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A K-quant's activations share a scale per super-block of 256 (llama.cpp's Q8_K) unless the file was measured
+    below the rule that way; TOKENMILL_SUPER_BLOCK_ACTS overrides either way."""
+    monkeypatch.delenv(arithmetic.SUPER_BLOCK_ACTS_ENV, raising=False)
+    record = Measured("m", "qwen2", "M", 1000, {"prose": 0.1}, {"prose": 99.0}, "1/50", "t")
+    per_group = dataclasses.replace(record, file_bytes=2, group_acts=True, per_super_block="top-1 95.00%")
+    monkeypatch.setattr(arithmetic, "MEASURED", (record, per_group))
+    assert arithmetic.super_block_acts("qwen2", "M", 1000) is True
+    assert arithmetic.super_block_acts("qwen2", "M", 2) is False
+    assert arithmetic.super_block_acts("qwen2", "M", 3) is True  # not measured: llama.cpp's
+    assert "K-quants' activations per 32 (per 256: top-1 95.00%)" in choose("qwen2", "M", 2, "avx512").reason
+    monkeypatch.setenv(arithmetic.SUPER_BLOCK_ACTS_ENV, "1")
+    assert arithmetic.super_block_acts("qwen2", "M", 2) is True
+    monkeypatch.setenv(arithmetic.SUPER_BLOCK_ACTS_ENV, "0")
+    assert arithmetic.super_block_acts("qwen2", "M", 1000) is False
 
 
 def test_without_an_integer_dot_product_the_exact_path_stays() -> None:

@@ -22,6 +22,7 @@ from tokenmill.model.gguf_blocks import (
     LAYOUT_FIVE_BIT_QUADS,
     LAYOUT_FIVE_BIT_QUADS_FACTORED,
     LAYOUT_FP16_HEAD,
+    LAYOUT_GROUP_ACTS,
     LAYOUT_INPUTS,
     LAYOUT_QUADS,
     LAYOUT_QUADS_FACTORED,
@@ -327,12 +328,21 @@ BYTE_QUAD_TYPES = ["Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"]
 QUAD_CODE_BITS = {"Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 5, "Q2_K": 5}  # what the loader writes
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def act_group(type_name: str) -> int:
+    """How many inputs share an activation scale in front of a GGUF type: a K-quant's super-block (llama.cpp's
+    Q8_K), else a group of 32 (its Q8_0 and Q8_1)."""
+    return 256 if type_name in K_QUANTS else 32
+
+
+def round_activations(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """The activations as the kernel is specified to round them, written independently of it: per row and group
-    of 32, s = max|x| / 127 (fp32), code = round half to even(x * (1 / s)) in [-127, 127]; returns code * s in
-    float64 (0 for an all-zero group)."""
+    of ``group`` inputs (32, or a K-quant's 256), s = max|x| / 127 (fp32), code = round half to even(x * (1 / s))
+    in [-127, 127]; returns code * s in float64 (0 for an all-zero group)."""
     rows, k = x.shape
-    groups = x.view(rows, k // 32, 32)
+    groups = x.view(rows, k // group, group)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     s = amax / 127
     inv = torch.where(amax > 0, 1.0 / s, torch.zeros_like(s))
@@ -411,34 +421,36 @@ def test_int8_activation_kernel_against_rounded_activations_in_float64(
 ):
     """Integer dot products are exact, so the kernel equals the rounded activations times the dequantized
     weights in float64 up to fp32 rounding of the scales and the per-group sums; and it is within the
-    rounding's bound (s / 2 per activation: 1/254 of max|x| in its group) of the exact product."""
+    rounding's bound (s / 2 per activation: 1/254 of max|x| over the inputs that share s, 32 or a K-quant's
+    super-block of 256) of the exact product."""
     width = kernel_variant.quant_tile_rows()
     weight, w = quad_weight(type_name, out_features, in_features, seed=num_rows, tile_rows=width)
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
-    x[0, :32] = 0.0  # an all-zero group: code 0, no division by zero
+    x[0, : act_group(type_name)] = 0.0  # an all-zero group: code 0, no division by zero
     out = kernel_variant.quant_linear(x, weight.data, weight.meta).double()
-    rounded = round_activations(x)
+    group = act_group(type_name)
+    rounded = round_activations(x, group)
     expected = rounded @ w.double().T
     scale = (rounded.abs() @ w.double().abs().T).clamp_min(1e-30)
     assert ((out - expected).abs() / scale).max() < 1e-5
     exact = x.double() @ w.double().T
-    half_steps = x.view(num_rows, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32) / 254  # s / 2 each
+    half_steps = x.view(num_rows, -1, group).abs().amax(-1, keepdim=True).expand(-1, -1, group) / 254  # s / 2
     bound = half_steps.reshape(num_rows, in_features).double() @ w.double().abs().T
     assert ((out - exact).abs() <= bound * 1.001 + 1e-5 * scale).all()
 
 
 def test_factored_quads_hold_a_k_quant_in_fewer_bytes_and_compute_the_same(kernel_variant) -> None:
     """Q4_K in quads with its scales as int8 multipliers of a unit per super-block (layout 5) against the same
-    groups with fp32 scales (layout 1): about 4.75 bits a weight instead of 6, the same weights, the same outputs
-    bit for bit on every row count."""
+    groups with fp32 scales (layout 1): about 4.75 bits a weight instead of 6, the same weights; with the
+    activations rounded per group of 32 for both (flag 64), the same outputs bit for bit on every row count."""
     width = kernel_variant.quant_tile_rows()
     raw = random_blocks("Q4_K", 64, 1024, 11)
     groups = to_groups("Q4_K", raw, 1024)
-    factored_w = QuantizedWeight.from_groups([groups], width, int8_activations=True)
+    factored_w = QuantizedWeight.from_groups([groups], width, int8_activations=True, super_block_acts=False)
     plain_data = torch.from_numpy(pack_groups(groups, width, LAYOUT_QUADS))
     plain_meta = factored_w.meta.clone()
     plain_meta[0, 8] = LAYOUT_QUADS
-    assert factored_w.meta[0, 8] == LAYOUT_QUADS_FACTORED
+    assert factored_w.meta[0, 8] == LAYOUT_QUADS_FACTORED | LAYOUT_GROUP_ACTS
     assert factored_w.data.numel() * 8 / (64 * 1024) < 4.9 < plain_data.numel() * 8 / (64 * 1024)
     assert torch.equal(factored_w.dequantize(), QuantizedWeight(plain_data, plain_meta).dequantize())
     x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(2))
@@ -450,6 +462,40 @@ def test_factored_quads_hold_a_k_quant_in_fewer_bytes_and_compute_the_same(kerne
     assert torch.equal(
         kernel_variant.quant_rows(factored_w.data, factored_w.meta, ids), factored_w.dequantize(ids)
     )
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K"])
+def test_a_k_quants_activations_share_a_scale_per_super_block_unless_flagged(
+    kernel_variant, type_name
+) -> None:
+    """One large group in each super-block of 256 and seven small ones: with the scale of the super-block (llama.cpp's
+    Q8_K) the small ones round to a few codes, with a scale per 32 they keep theirs. The kernel follows the reference
+    of each rounding, and flag 64 (``super_block_acts=False``) switches between them; the bytes are the same."""
+    width = kernel_variant.quant_tile_rows()
+    raw = random_blocks(type_name, width + 5, 512, seed=3)
+    groups = to_groups(type_name, raw, 512)
+    w = reference(type_name, raw, 512).double()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5)) * 0.01
+    x[:, ::256] = 30.0  # the first input of each super-block
+    per_super = QuantizedWeight.from_groups([groups], width, int8_activations=True)
+    per_group = QuantizedWeight.from_groups([groups], width, int8_activations=True, super_block_acts=False)
+    assert int(per_group.meta[0, 8]) == int(per_super.meta[0, 8]) | LAYOUT_GROUP_ACTS
+    assert torch.equal(per_super.data, per_group.data)
+    for weight, group in ((per_super, 256), (per_group, 32)):
+        for num_rows in (1, 6, 9):
+            out = kernel_variant.quant_linear(x[:num_rows], weight.data, weight.meta).double()
+            rounded = round_activations(x[:num_rows], group)
+            scale = (rounded.abs() @ w.abs().T).clamp_min(1e-30)
+            assert ((out - rounded @ w.T).abs() / scale).max() < 1e-5, (group, num_rows)
+    assert not torch.allclose(round_activations(x, 256), round_activations(x, 32), rtol=0.1)
+
+
+def test_the_group_activations_flag_takes_the_factored_quad_layouts_only(kernel_variant) -> None:
+    weight, _ = quad_weight("Q4_1", 8, 64, seed=0, tile_rows=kernel_variant.quant_tile_rows())
+    bad = weight.meta.clone()
+    bad[0, 8] |= LAYOUT_GROUP_ACTS
+    with pytest.raises(RuntimeError, match="flag 64"):
+        kernel_variant.quant_linear(torch.ones(1, 64), weight.data, bad)
 
 
 @pytest.mark.parametrize("width", [8, 16, 32])
@@ -554,13 +600,14 @@ def test_int8_activations_take_every_gguf_part_and_leave_the_rest_exact(kernel_v
     w = [reference(t, r, in_features) for (t, _, _), r in zip(types, raws)]
     values = exact_part.codes.view(np.int8).astype(np.float32) * exact_part.scale[..., None]
     w.append(torch.from_numpy(values.reshape(3, in_features)))
-    rounded_rows = torch.cat(w[:3])
     for num_rows in (1, 4, 20):
         x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
         out = kernel_variant.quant_linear(x, weight.data, weight.meta)
-        rounded = round_activations(x)
-        scale = (rounded.abs() @ rounded_rows.double().abs().T).clamp_min(1e-30)
-        assert ((out[:, :18].double() - rounded @ rounded_rows.double().T).abs() / scale).max() < 1e-5
+        # the K-quants' activations share a scale per super-block of 256, Q8_0's per group of 32
+        for (type_name, _, _), part, cols in zip(types, w, (slice(0, 9), slice(9, 14), slice(14, 18))):
+            rounded = round_activations(x, act_group(type_name))
+            scale = (rounded.abs() @ part.double().abs().T).clamp_min(1e-30)
+            assert ((out[:, cols].double() - rounded @ part.double().T).abs() / scale).max() < 1e-5, type_name
         assert_fp32_matmul(out[:, 18:], x, w[3])
     ids = torch.arange(21)
     assert torch.equal(kernel_variant.quant_rows(weight.data, weight.meta, ids), torch.cat(w))

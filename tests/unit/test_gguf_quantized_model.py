@@ -403,3 +403,29 @@ def test_a_load_deletes_the_cache_entries_no_load_can_find_again(tmp_path: Path)
     new = {n for n in left if gguf_loader.file_identity(paths["new"]) in n}
     assert len(kept) == 2 and kept <= entries and len(new) == 1
     assert left == kept | new
+
+
+def test_k_quant_activations_per_super_block_unless_the_file_measured_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gguf-q8 rounds a K-quant's activations with one scale per super-block of 256 (llama.cpp's Q8_K) and those of
+    the other types per group of 32; with ``arithmetic.super_block_acts`` False (a measured file outside the rule
+    that way) the K-quants take groups of 32 too, from their own cache entry. Checked on the fused qkv (Q4_K q and
+    k, Q6_K v) against each rounding's float64 reference."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, TYPES)
+    exact = load_model(str(path), device="cpu", quantization="gguf")
+    weights = exact.model.model.layers[0].self_attn.qkv_proj.weight.dequantize().double()
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    for env, group, mode in (("1", 256, "q8"), ("0", 32, "q8-g32")):
+        monkeypatch.setenv(arithmetic.SUPER_BLOCK_ACTS_ENV, env)
+        q8 = load_model(str(path), device="cpu", quantization="gguf-q8")
+        qkv = q8.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.type_summary() == "4bit/g32/x8+4bit/g32/x8+6bit/g16/x8"
+        rounded = round_activations(hidden, group)
+        scale = (rounded.abs() @ weights.abs().T).clamp_min(1e-30)
+        assert ((qkv(hidden).double() - rounded @ weights.T).abs() / scale).max() < 1e-5, group
+        assert any(
+            p.name.endswith(f"-{mode}-v{gguf_loader.BLOCKS_CACHE_VERSION}.safetensors")
+            for p in (tmp_path / "cache").iterdir()
+        )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_gguf_blocks import assert_fp32_matmul, reference, round_activations, wide_groups_of_16
+from test_gguf_blocks import act_group, assert_fp32_matmul, reference, round_activations, wide_groups_of_16
 from tiny_models import random_blocks
 
 from tokenmill.model.gguf_blocks import FORMATS, QuantizedWeight, to_groups
@@ -78,8 +78,8 @@ def _exact(x: torch.Tensor, w: torch.Tensor):
     return x.double() @ w.double().T, (x.double().abs() @ w.double().abs().T).clamp_min(1e-30)
 
 
-def _rounded(x: torch.Tensor, w: torch.Tensor):
-    r = round_activations(x)
+def _rounded(x: torch.Tensor, w: torch.Tensor, group: int = 32):
+    r = round_activations(x, group)
     return r @ w.double().T, (r.abs() @ w.double().abs().T).clamp_min(1e-30)
 
 
@@ -110,12 +110,15 @@ def test_every_row_count_of_the_8_bit_path(kernel_variant, byte_type: str) -> No
     group = FORMATS[byte_type].group
     assert weight.type_summary() == f"4bit/g32/x8+{bits}bit/g{group}/x8+8bit/g32/x8+8bit/g16"
     x = torch.randn(MAX_ROWS, IN_FEATURES, generator=torch.Generator().manual_seed(3))
-    exp8, sc8 = _rounded(x, w[: 3 * n])
-    exp_exact, sc_exact = _exact(x, w[3 * n :])
+    # each rounded part by its activations' rounding (a K-quant's per super-block), the last part exact
+    expected = [
+        _rounded(x, w[i * n : (i + 1) * n], act_group(t)) for i, t in enumerate(("Q4_K", byte_type, "Q8_0"))
+    ]
+    expected.append(_exact(x, w[3 * n :]))
     for m in range(1, MAX_ROWS + 1):
         out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta).double()
-        assert ((out[:, : 3 * n] - exp8[:m]).abs() / sc8[:m]).max() < 1e-5, m
-        assert ((out[:, 3 * n :] - exp_exact[:m]).abs() / sc_exact[:m]).max() < 1e-5, m
+        for i, (exp, sc) in enumerate(expected):
+            assert ((out[:, i * n : (i + 1) * n] - exp[:m]).abs() / sc[:m]).max() < 1e-5, (m, i)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

@@ -46,7 +46,8 @@ the file, so with the flag they read the file's bytes too (Q4_1: 20 bytes a grou
 :func:`fp16_head` checks every value is one (Q4_0's min is ``-8 d``, exact unless it overflows).
 
 Layout 1 (``int8_activations``, 4-bit parts only) keeps the same scales, mins and codes in another order, for
-the kernel that rounds the activations to 8 bits per group of 32 and multiplies with integer dot products
+the kernel that rounds the activations to 8 bits (per group of 32, or per super-block of 256 in front of a K-quant's
+factored layout) and multiplies with integer dot products
 (llama.cpp's arithmetic for these types): each group's codes in 8 quads of 4 inputs, byte j of a quad holding
 row j // 4 (low nibble) and row W/2 + j // 4 (high) at input j % 4 of the quad. The weights are the same fp32
 values (``dequantize`` reads both layouts); only the activations are rounded.
@@ -63,6 +64,10 @@ Flag 32 on layouts 6 to 9 (:data:`LAYOUT_EXACT_QUADS`) keeps those narrow quads 
 converts each quad's codes to fp32 for the four inputs at once and multiplies them by the fp32 activations, the
 same weights bit for bit as layouts 0 and 2, in the file's bits (what :meth:`QuantizedWeight.from_groups` writes
 without ``int8_activations`` for the formats whose codes fit six or five bits).
+
+Flag 64 on the factored quad layouts (4, 5, 7 and 9: the K-quants under ``int8_activations``;
+:data:`LAYOUT_GROUP_ACTS`) changes how the kernel rounds their activations, not the bytes: per group of 32 inputs, as
+the formats without super-blocks take them, instead of one scale per super-block of 256 inputs (llama.cpp's Q8_K).
 
 Layouts 6 and 7 are layouts 3 and 4 in six bits a code (every biased code is 0..63): per quad a plane of low
 nibbles and a plane of top bit pairs (:func:`_six_bit_quads`), 3 bytes per 4 codes: Q6_K in its file's 6.5625 bits
@@ -135,6 +140,15 @@ _FP16_HEAD_LAYOUTS = (
 )
 # A flag on the narrow byte-quad layouts (6 to 9): the same bytes multiplied by fp32 activations (the exact path)
 LAYOUT_EXACT_QUADS = 32
+# A flag on the factored quad layouts (4, 5, 7, 9): their activations rounded per group of 32, not per super-block
+LAYOUT_GROUP_ACTS = 64
+_GROUP_ACTS_LAYOUTS = (
+    LAYOUT_BYTE_QUADS_FACTORED,
+    LAYOUT_QUADS_FACTORED,
+    LAYOUT_SIX_BIT_QUADS_FACTORED,
+    LAYOUT_FIVE_BIT_QUADS_FACTORED,
+)
+_SAME_PATH_FLAGS = LAYOUT_FP16_HEAD | LAYOUT_GROUP_ACTS  # flags that leave a layout on its path
 _EXACT_QUAD_LAYOUTS = (*_SIX_BIT_LAYOUTS, *_FIVE_BIT_LAYOUTS)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes
 WIDE_BYTE_QUAD_BIAS = 128  # added to the codes (-128..127) of wide byte quads (layout 10)
@@ -702,13 +716,13 @@ class QuantizedWeight:
 
     def type_summary(self) -> str:
         return "+".join(
-            f"{b}bit/g{g}" + ("/x8" if layout & ~LAYOUT_FP16_HEAD in INT8_ACTIVATION_LAYOUTS else "")
+            f"{b}bit/g{g}" + ("/x8" if layout & ~_SAME_PATH_FLAGS in INT8_ACTIVATION_LAYOUTS else "")
             for b, g, layout in self.meta[:, [3, 4, 8]].tolist()
         )
 
     @property
     def int8_activations(self) -> bool:
-        return bool(np.isin(self.meta[:, 8].numpy() & ~LAYOUT_FP16_HEAD, INT8_ACTIVATION_LAYOUTS).any())
+        return bool(np.isin(self.meta[:, 8].numpy() & ~_SAME_PATH_FLAGS, INT8_ACTIVATION_LAYOUTS).any())
 
     @classmethod
     def from_groups(
@@ -719,6 +733,7 @@ class QuantizedWeight:
         quad_bits: int = 5,
         fp16_heads: bool = True,
         wide_quads: bool = True,
+        super_block_acts: bool = True,
     ) -> QuantizedWeight:
         """Parts stacked along the output rows (a fused qkv: q, k, v); each keeps its own format.
 
@@ -733,6 +748,8 @@ class QuantizedWeight:
         (:data:`LAYOUT_EXACT_QUADS`); 8 keeps layouts 0 and 2 there. ``fp16_heads``: groups of 32
         whose scales and mins are fp16 values keep them in fp16 (:data:`LAYOUT_FP16_HEAD`); False keeps fp32.
         ``wide_quads``: False keeps the wide byte quads' formats (Q8_0, IQ4) exact under ``int8_activations``.
+        ``super_block_acts``: the K-quants' activations rounded per super-block of 256 (llama.cpp's Q8_K); False
+        rounds them per group of 32 (:data:`LAYOUT_GROUP_ACTS`).
         """
         if quad_bits not in (5, 6, 8):
             raise ValueError(f"byte quads take 5, 6 or 8 bits a code, not {quad_bits}")
@@ -763,6 +780,8 @@ class QuantizedWeight:
             if not int8_activations and layout & ~LAYOUT_FP16_HEAD in _EXACT_QUAD_LAYOUTS:
                 layout |= LAYOUT_EXACT_QUADS
             packed = pack_groups(g, tile_rows, layout)
+            if int8_activations and not super_block_acts and layout in _GROUP_ACTS_LAYOUTS:
+                layout |= LAYOUT_GROUP_ACTS
             rows = g.codes.shape[0]
             meta.append(
                 [
@@ -787,7 +806,7 @@ class QuantizedWeight:
         """The fp32 weight ``[out, in]`` (or its ``rows``), in plain torch: the reference and the fallback."""
         out = []
         for offset, n, k, bits, group, has_min, _, width, layout in self.meta.tolist():
-            layout &= ~LAYOUT_EXACT_QUADS  # the same bytes either way
+            layout &= ~(LAYOUT_EXACT_QUADS | LAYOUT_GROUP_ACTS)  # the same bytes either way
             num_groups, num_tiles = k // group, -(-n // width)
             if layout in _FACTORED_LAYOUTS:
                 out.append(self._dequantize_factored(offset, n, k, bits, group, has_min, width, layout))

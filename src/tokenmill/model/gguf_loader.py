@@ -273,13 +273,19 @@ class GGUFFile:
         )  # fmt: skip
 
     def blocks_cache_path(
-        self, tile_rows: int, int8_activations: bool, requantized: bool = False, wide_quads: bool = True
+        self,
+        tile_rows: int,
+        int8_activations: bool,
+        requantized: bool = False,
+        wide_quads: bool = True,
+        super_block_acts: bool = True,
     ) -> Path:
         """Where ``quantization="gguf"`` (``"gguf-q8"``, ``"gguf-q4"``) keeps this file's blocks rewritten for
         tiles of ``tile_rows`` (the kernel variant's panel width); ``-narrow``: Q8_0 and IQ4 tensors kept exact under
-        ``int8_activations`` (``wide_quads`` False; load_quantized_model passes True without them)."""
+        ``int8_activations`` (``wide_quads`` False; load_quantized_model passes True without them); ``-g32``: the
+        K-quants' activations rounded per group of 32 (``super_block_acts`` False, likewise)."""
         mode = "q4" if requantized else "q8" if int8_activations else "exact"
-        mode += "" if wide_quads else "-narrow"
+        mode += ("" if wide_quads else "-narrow") + ("" if super_block_acts else "-g32")
         name = f"gguf-blocks-{self._identity}-w{tile_rows}-{mode}-v{BLOCKS_CACHE_VERSION}.safetensors"
         return self.cache_dir / name
 
@@ -377,14 +383,26 @@ class GGUFFile:
 
         return wide_quads(*self._identity_fields())
 
+    def super_block_acts(self) -> bool:
+        """Whether a K-quant's activations are rounded per super-block of 256 (``arithmetic.super_block_acts``)."""
+        from tokenmill.model.arithmetic import super_block_acts
+
+        return super_block_acts(*self._identity_fields())
+
     def load_quantized_model(
-        self, int8_activations: bool = False, requantize: bool = False, wide_quads: bool = True
+        self,
+        int8_activations: bool = False,
+        requantize: bool = False,
+        wide_quads: bool = True,
+        super_block_acts: bool = True,
     ) -> tuple[LlamaConfig, LlamaForCausalLM]:
         """The model with its quantized tensors kept as blocks (``quantization="gguf"``), fp32 elsewhere; CPU.
         ``int8_activations`` (``"gguf-q8"``): 4-bit blocks in the layout of the 8-bit-activation kernel.
         ``requantize`` (``"gguf-q4"``, implies ``int8_activations``): the projections' blocks rounded to 4 bits
         first (:func:`~tokenmill.model.gguf_blocks.requantize_4bit`: approximate weights, fewer bytes).
         ``wide_quads`` (with ``int8_activations``): False keeps the Q8_0 and IQ4 tensors exact (:meth:`wide_quads`).
+        ``super_block_acts`` (likewise): False rounds the K-quants' activations per group of 32
+        (:meth:`super_block_acts`).
 
         The first load rewrites the blocks (seconds: 18 s for a 1.5B) and writes them to a cache file; later
         loads map that file, so the weights are file pages shared with the page cache, read from disk once.
@@ -398,8 +416,10 @@ class GGUFFile:
         tile_rows = kernels[2] if kernels is not None else 8
         matmuls = None if kernels is None else (kernels[0], kernels[1])
         int8_activations = int8_activations or requantize
-        wide_quads = wide_quads or not int8_activations  # without 8-bit activations nothing is rounded
-        cache = self.blocks_cache_path(tile_rows, int8_activations, requantize, wide_quads)
+        # without 8-bit activations nothing is rounded
+        wide_quads = wide_quads or not int8_activations
+        super_block_acts = super_block_acts or not int8_activations
+        cache = self.blocks_cache_path(tile_rows, int8_activations, requantize, wide_quads, super_block_acts)
         header = _read_header(cache)
         if header is not None:
             config = _config_from_json(header[_CONFIG_KEY])
@@ -412,7 +432,7 @@ class GGUFFile:
                 for name, groups in quantized.items()
             }
         model = build_quantized_llama(
-            config, dense, quantized, tile_rows, matmuls, int8_activations, wide_quads
+            config, dense, quantized, tile_rows, matmuls, int8_activations, wide_quads, super_block_acts
         )
         del dense, quantized
         if not self._store(cache, quantized_state(model), config):

@@ -104,7 +104,8 @@ def load_model(
     ``quantization`` (:data:`tokenmill.config.QUANTIZATIONS`): ``None`` lets :mod:`~tokenmill.model.arithmetic`
     choose for a quantized GGUF on CPU with the C++ kernels (``LoadedModel.quantization_reason`` says why).
     ``"gguf"`` keeps a GGUF's quantized tensors as their blocks and computes from them exactly (fp32 activations),
-    ``"gguf-q8"`` too, with the activations rounded to 8 bits per group of 32 (integer dot products, as llama.cpp
+    ``"gguf-q8"`` too, with the activations rounded to 8 bits per super-block of 256 for the K-quants and per group
+    of 32 for the other types (integer dot products, as llama.cpp
     and vLLM's GGUF kernels do), ``"gguf-q4"`` as ``"gguf-q8"`` with the
     projections rounded to 4 bits first (approximate; a draft model's default), ``"fp32"`` dequantizes them at load, ``"int8"`` swaps the projections and the LM head
     for weight-only int8 after loading (:mod:`~tokenmill.model.quant`; norms and the embedding table stay in
@@ -213,6 +214,7 @@ def _load_gguf(
             int8_activations=quantization == "gguf-q8",
             requantize=quantization == "gguf-q4",
             wide_quads=gguf_file.wide_quads(),
+            super_block_acts=gguf_file.super_block_acts(),
         )
     else:
         config, llama = gguf_file.load_model(device, dtype)

@@ -221,6 +221,7 @@ def build_quantized_llama(
     kernels: tuple[QuantMatmul, QuantRows] | None,
     int8_activations: bool = False,
     wide_quads: bool = True,
+    super_block_acts: bool = True,
 ) -> LlamaForCausalLM:
     """A model whose projections, embedding and head are :class:`QuantizedLinear` / :class:`QuantizedEmbedding`
     where ``quantized`` (Hugging Face names) has them, fp32 from ``dense`` elsewhere (norms, biases, and weights
@@ -230,7 +231,8 @@ def build_quantized_llama(
     part is dense, the whole projection is (its quantized parts dequantized: exact, only larger). A tied head
     shares the embedding's quantized bytes. ``int8_activations``: 4-bit parts in the quad layout and 8-bit parts
     in byte quads (wide ones for Q8_0 and IQ4), multiplied by activations rounded to 8 bits (``gguf_blocks``); the
-    table's lookup gives the same fp32 rows either way; ``wide_quads`` False keeps Q8_0 and IQ4 exact.
+    table's lookup gives the same fp32 rows either way; ``wide_quads`` False keeps Q8_0 and IQ4 exact;
+    ``super_block_acts`` False rounds the K-quants' activations per group of 32, not per super-block of 256.
     """
     matmul, rows = kernels if kernels is not None else (None, None)
     with torch.device("meta"):
@@ -240,7 +242,9 @@ def build_quantized_llama(
     consumed: set[str] = set()  # HF names the quantized modules took
 
     def pack(parts: list[Groups]) -> QuantizedWeight:
-        return QuantizedWeight.from_groups(parts, tile_rows, int8_activations, wide_quads=wide_quads)
+        return QuantizedWeight.from_groups(
+            parts, tile_rows, int8_activations, wide_quads=wide_quads, super_block_acts=super_block_acts
+        )
 
     def take(parent: nn.Module, attr: str, names: list[str]) -> None:
         if all(n in quantized for n in names):

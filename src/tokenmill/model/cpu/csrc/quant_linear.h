@@ -31,7 +31,8 @@
 // (Fmt's kHalf): the formats without super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), whose every scale and min
 // is an fp16 in the file, read in the file's bytes too. Layouts 6 to 9 with flag 32 (kLayoutExactQuads) are the
 // same narrow quads multiplied by the fp32 activations (QuadExact): Q6_K and the five-bit formats in their file's
-// bits on the exact path too.
+// bits on the exact path too. The factored quad layouts (4, 5, 7, 9) with flag 64 (kLayoutGroupActs) take their
+// 8-bit activations rounded per group of 32 instead of per super-block of 256.
 //
 // The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
@@ -41,7 +42,8 @@
 // down projection), whose blocks of x would hold only a few rows, goes in pieces of K instead (quant_linear_chunked:
 // each tile's piece expanded once per block of 64 rows, not per 8). A matrix with
 // quad-layout parts (quantization="gguf-q8": Q4Quad, ByteQuad) goes through quant_linear_q8: x rounded to 8 bits
-// once, every row count through the same integer-dot-product blocks (q8_rows).
+// once (twice for a matrix of K-quant and other parts: per super-block and per group, Q8Acts), every row count
+// through the same integer-dot-product blocks (q8_rows).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -433,6 +435,10 @@ inline void tile_weights(const uint8_t* tile, int64_t num_groups, int64_t row, f
 constexpr int64_t kLayoutFp16Head = 16;
 // and this one on layouts 6 to 9 multiplies their byte quads by the fp32 activations (QuadExact), not rounded ones.
 constexpr int64_t kLayoutExactQuads = 32;
+// and this one on the factored quad layouts (4, 5, 7, 9) rounds their activations per group of 32 as the formats
+// without super-blocks take them, not per super-block of 256 (llama.cpp's Q8_K for the K-quants): for a model whose
+// measured quality holds only that way.
+constexpr int64_t kLayoutGroupActs = 64;
 
 // Rows per register block of the 8-bit path: 2 integer and 2 float accumulators a row.
 constexpr int kQ8Rows = simd::kNumRegs >= 32 ? 6 : 4;
@@ -560,14 +566,16 @@ struct QuadExact : Q {
   }
 };
 
-// Activations rounded to 8 bits per group of 32 inputs (llama.cpp's Q8_1 arithmetic): for each row, codes [K] in
-// [-127, 127], per group its scale s = max|x| / 127 (x ~ code * s) and s * (sum of its codes), for the mins, and
-// per 16 inputs the integer sum of the codes (for ByteQuad's bias and its groups of 16).
+// Activations rounded to 8 bits, llama.cpp's way: for each row, codes [K] in [-127, 127] and a scale s per group of
+// 32 inputs (x ~ code * s), s = max|x| / 127 over the group (llama.cpp's Q8_0 and Q8_1 activations, for the formats
+// without super-blocks) or over the group's super-block of 256 inputs (its Q8_K, for the K-quants: the 8 groups of a
+// super-block share s); per group of 32 its code sum as a float (the mins), per 16 inputs the integer code sum (for
+// ByteQuad's bias and groups of 16).
 struct Q8Acts {
   const int8_t* q;
-  const float* scale;
-  const float* scaled_sum;
-  const int32_t* sum16;  // [M, K / 16]: each 16 inputs' code sum (ByteQuad's bias and mins)
+  const float* scale;    // [M, G]
+  const float* sum32;    // [M, G]: each group of 32's code sum, an integer below 2^13 (exact)
+  const int32_t* sum16;  // [M, K / 16]
   int64_t K, G;
   // row m's code sum over group g of `group` (16 or 32) inputs
   int32_t code_sum(int64_t m, int64_t g, int group) const {
@@ -576,33 +584,54 @@ struct Q8Acts {
   }
 };
 
-// x [M, K] -> codes, scales, scaled sums and sums of 16: code = round_to_even(x * (1 / s)), 0 for an all-zero group.
-inline void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* scaled_sum,
-                          int32_t* sum16) {
+// x [M, K] -> codes, scales and sums, s over `scale_group` inputs (32, or 256 where K is a multiple of 256):
+// code = round_to_even(x * (1 / s)), 0 for an all-zero group.
+inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t scale_group, int8_t* q, float* scale,
+                          float* sum32, int32_t* sum16) {
   using namespace simd;
-  const int64_t G = K / Q4Quad::kGroup;
+  constexpr int64_t kGroup = Q4Quad::kGroup;
+  const int64_t G = K / kGroup, span = scale_group / kGroup;  // groups of 32 that share a scale
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = x + m * K + g * Q4Quad::kGroup;
+      for (int64_t g0 = 0; g0 < G; g0 += span) {
+        const float* row = x + m * K;
         Vec amax = zero();
-        for (int v = 0; v < Q4Quad::kGroup; v += kLanes) amax = max(amax, vabs(load(p + v)));
+        for (int64_t v = g0 * kGroup; v < (g0 + span) * kGroup; v += kLanes) amax = max(amax, vabs(load(row + v)));
         const float a = reduce_max(amax), s = a / 127.f, inv = a > 0.f ? 1.f / s : 0.f;
-        int8_t* codes = q + m * K + g * Q4Quad::kGroup;
-        Vec sums[2] = {zero(), zero()};  // the codes of inputs 0..15 and 16..31, added lane by lane
-        for (int v = 0; v < Q4Quad::kGroup; v += kLanes) {
-          const Vec c = min(max(round_nearest(mul(load(p + v), set1(inv))), set1(-127.f)), set1(127.f));
-          store_i8(codes + v, c);
-          sums[v / 16] = add(sums[v / 16], c);
+        for (int64_t g = g0; g < g0 + span; ++g) {
+          Vec sums[2] = {zero(), zero()};  // the codes of inputs 0..15 and 16..31, added lane by lane
+          for (int64_t v = 0; v < kGroup; v += kLanes) {
+            const Vec c = min(max(round_nearest(mul(load(row + g * kGroup + v), set1(inv))), set1(-127.f)),
+                              set1(127.f));
+            store_i8(q + m * K + g * kGroup + v, c);
+            sums[v / 16] = add(sums[v / 16], c);
+          }
+          // integers below 2^11 in magnitude: the float sums are exact
+          const int32_t halves[2] = {int32_t(reduce_add(sums[0])), int32_t(reduce_add(sums[1]))};
+          sum16[m * (K / 16) + 2 * g] = halves[0], sum16[m * (K / 16) + 2 * g + 1] = halves[1];
+          scale[m * G + g] = s;
+          sum32[m * G + g] = float(halves[0] + halves[1]);
         }
-        // integers below 2^11 in magnitude: the float sums are exact
-        const int32_t halves[2] = {int32_t(reduce_add(sums[0])), int32_t(reduce_add(sums[1]))};
-        sum16[m * (K / 16) + 2 * g] = halves[0], sum16[m * (K / 16) + 2 * g + 1] = halves[1];
-        scale[m * G + g] = s;
-        scaled_sum[m * G + g] = s * float(halves[0] + halves[1]);  // an integer below 2^13: exact
       }
   });
 }
+
+// One kind of rounded activations' buffers, kept across calls (a prefill's are megabytes).
+class Q8ActsBuffers {
+ public:
+  Q8Acts round(const float* x, int64_t M, int64_t K, int64_t scale_group) {
+    const int64_t G = K / Q4Quad::kGroup;
+    if (codes_.size() < size_t(M * K)) codes_.resize(M * K);
+    if (scales_.size() < size_t(M * G)) scales_.resize(M * G), sum32_.resize(M * G), sum16_.resize(2 * M * G);
+    quantize_acts(x, M, K, scale_group, codes_.data(), scales_.data(), sum32_.data(), sum16_.data());
+    return Q8Acts{codes_.data(), scales_.data(), sum32_.data(), sum16_.data(), K, G};
+  }
+
+ private:
+  std::vector<int8_t> codes_;
+  std::vector<float> scales_, sum32_;
+  std::vector<int32_t> sum16_;
+};
 
 
 // One group's integer sums, codes times activations, for R rows of activations (x, a row every ldx): a0 the tile's
@@ -643,47 +672,69 @@ inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, type
 }
 
 // c[r][0:ncols] for rows m .. m + R - 1 of the activations times one tile of F (Q4Quad, ByteQuad): per group, the
-// integer dot products of codes and activations (exact), then y += (scale * s) * dot + min * (s * sum of codes).
+// integer dot products of codes and activations (exact), then t += scale * dot + min * (sum of codes), and per
+// super-block (a K-quant's 256 inputs, whose activations share their scale s; else per group) y += s * t. Per row
+// and half-tile a group costs one multiply-add (two with a min) and a super-block one more, where a scale per group
+// of 32 costs a multiplication and two multiply-adds (three with a min) every group: the epilogue that bounds the
+// 8-bit path on Zen 4 (docs/performance.md). A super-block's t and the rows' y take more registers than there are:
+// y is kept in memory, read and written once per super-block.
 // kUnpacked: `heads` holds the tile's groups' scales and mins as q8_blocks_unpacked unpacked them for every block of
 // rows; else they are unpacked here. kPrefetch: the tile's stream prefetched ahead (a single block, a decode step's,
 // or the first of several).
-template <class F, int R, bool kUnpacked, bool kPrefetch>
+template <class F, bool kSuperActs, int R, bool kUnpacked, bool kPrefetch>
 inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const typename F::Params* heads, float* c,
                      int64_t ldc, int64_t ncols) {
   using namespace simd;
-  Vec f0[R], f1[R];
+  constexpr int64_t kSuper = kSuperActs ? F::kPerSuper : 1;  // groups that share the activations' scale
+  Vec f0[R], f1[R];                         // the rows' sums (one group a super-block), or ...
+  alignas(64) float fs[kSuper > 1 ? R : 1][kPanel];  // ... in memory (super-blocks of several groups)
   for (int r = 0; r < R; ++r) f0[r] = f1[r] = zero();
   const int64_t num_groups = x.K / F::kGroup;
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const uint8_t* grp = F::group(tile, g);
-    if constexpr (kPrefetch) F::prefetch(tile, g);
-    const int8_t* xg = x.q + m * x.K + g * F::kGroup;
-    typename F::Acc a0[R], a1[R];
-    q8_group_sums<F, R>(grp, xg, x.K, a0, a1);
-    const auto p = kUnpacked ? heads[g] : F::params(tile, g);
-    const int64_t gx = g * F::kGroup / Q4Quad::kGroup;  // the activations' group of 32
+  for (int64_t g0 = 0; g0 < num_groups; g0 += kSuper) {
+    Vec t0[R], t1[R];
+    for (int r = 0; r < R; ++r) t0[r] = t1[r] = zero();
+    for (int64_t g = g0; g < g0 + kSuper; ++g) {
+      const uint8_t* grp = F::group(tile, g);
+      if constexpr (kPrefetch) F::prefetch(tile, g);
+      typename F::Acc a0[R], a1[R];
+      q8_group_sums<F, R>(grp, x.q + m * x.K + g * F::kGroup, x.K, a0, a1);
+      const auto p = kUnpacked ? heads[g] : F::params(tile, g);
+      for (int r = 0; r < R; ++r) {
+        const int32_t sum = F::kSumBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
+        const Vec d0 = F::to_float(a0[r], F::kSumBias * sum), d1 = F::to_float(a1[r], F::kSumBias * sum);
+        t0[r] = kSuper == 1 ? mul(d0, p.s0) : fmadd(d0, p.s0, t0[r]);
+        t1[r] = kSuper == 1 ? mul(d1, p.s1) : fmadd(d1, p.s1, t1[r]);
+        if constexpr (F::kHasMin) {
+          const Vec xm = set1(F::kGroup == Q4Quad::kGroup ? x.sum32[(m + r) * x.G + g] : float(sum));
+          t0[r] = fmadd(p.m0, xm, t0[r]);
+          t1[r] = fmadd(p.m1, xm, t1[r]);
+        }
+      }
+    }
+    const int64_t gx = g0 * F::kGroup / Q4Quad::kGroup;  // the activations' group of 32
     for (int r = 0; r < R; ++r) {
-      const float s = x.scale[(m + r) * x.G + gx];
-      const int32_t sum = F::kSumBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
-      const Vec xs = set1(s);
-      f0[r] = fmadd(F::to_float(a0[r], F::kSumBias * sum), mul(p.s0, xs), f0[r]);
-      f1[r] = fmadd(F::to_float(a1[r], F::kSumBias * sum), mul(p.s1, xs), f1[r]);
-      if constexpr (F::kHasMin) {
-        const Vec xm = set1(F::kGroup == Q4Quad::kGroup ? x.scaled_sum[(m + r) * x.G + gx] : s * float(sum));
-        f0[r] = fmadd(p.m0, xm, f0[r]);
-        f1[r] = fmadd(p.m1, xm, f1[r]);
+      const Vec xs = set1(x.scale[(m + r) * x.G + gx]);
+      if constexpr (kSuper > 1) {  // (a zeroed array's initialisation cost 6% of a 512-row matmul)
+        store(fs[r], g0 == 0 ? mul(t0[r], xs) : fmadd(t0[r], xs, load(fs[r])));
+        store(fs[r] + kLanes, g0 == 0 ? mul(t1[r], xs) : fmadd(t1[r], xs, load(fs[r] + kLanes)));
+      } else {
+        f0[r] = fmadd(t0[r], xs, f0[r]);
+        f1[r] = fmadd(t1[r], xs, f1[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) store_panel_row(c + r * ldc, f0[r], f1[r], ncols);
+  for (int r = 0; r < R; ++r) {
+    if constexpr (kSuper > 1) f0[r] = load(fs[r]), f1[r] = load(fs[r] + kLanes);
+    store_panel_row(c + r * ldc, f0[r], f1[r], ncols);
+  }
 }
 
-template <class F, int R, bool kUnpacked, bool kPrefetch>
+template <class F, bool kSuperActs, int R, bool kUnpacked, bool kPrefetch>
 inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile, const typename F::Params* heads,
                        float* c, int64_t ldc, int64_t ncols) {
   if constexpr (R >= 1) {
-    if (rows == R) return q8_block<F, R, kUnpacked, kPrefetch>(x, m, tile, heads, c, ldc, ncols);
-    q8_block_n<F, R - 1, kUnpacked, kPrefetch>(rows, x, m, tile, heads, c, ldc, ncols);
+    if (rows == R) return q8_block<F, kSuperActs, R, kUnpacked, kPrefetch>(x, m, tile, heads, c, ldc, ncols);
+    q8_block_n<F, kSuperActs, R - 1, kUnpacked, kPrefetch>(rows, x, m, tile, heads, c, ldc, ncols);
   }
 }
 
@@ -693,7 +744,7 @@ inline void q8_block_n(int rows, const Q8Acts& x, int64_t m, const uint8_t* tile
 // first block, leave 16-row decode steps waiting on memory: the 1.5B's LM head at 16 rows 22.4 ms against 17.4).
 // Out of line: inlined into q8_rows, it changed how GCC laid out the one-block path (a decode step's), 6% slower at
 // one row on AVX2.
-template <class F>
+template <class F, bool kSuperActs>
 __attribute__((noinline)) void q8_blocks_unpacked(const Q8Acts& x, int64_t m0, int64_t m1, int64_t num_chunks,
                                                   const uint8_t* tile, float* y, int64_t ldy, int64_t ncols) {
   thread_local std::vector<typename F::Params> heads;
@@ -704,21 +755,22 @@ __attribute__((noinline)) void q8_blocks_unpacked(const Q8Acts& x, int64_t m0, i
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int rows = static_cast<int>((m1 - m) / (num_chunks - c));
     if (c == 0)
-      q8_block_n<F, F::kRows, true, true>(rows, x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
+      q8_block_n<F, kSuperActs, F::kRows, true, true>(rows, x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
     else
-      q8_block_n<F, F::kRows, true, false>(rows, x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
+      q8_block_n<F, kSuperActs, F::kRows, true, false>(rows, x, m, tile, heads.data(), y + m * ldy, ldy, ncols);
     m += rows;
   }
 }
 
 // Rows [m0, m1) times one tile of F, in near-equal register blocks; every row count takes the same arithmetic (an
 // output's value does not depend on the batch it came in).
-template <class F>
+template <class F, bool kSuperActs>
 inline void q8_rows(const Q8Acts& x, int64_t m0, int64_t m1, const uint8_t* tile, float* y, int64_t ldy,
                     int64_t ncols) {
   const int64_t num_chunks = (m1 - m0 + F::kRows - 1) / F::kRows;
-  if (num_chunks > 1) return q8_blocks_unpacked<F>(x, m0, m1, num_chunks, tile, y, ldy, ncols);
-  q8_block_n<F, F::kRows, false, true>(static_cast<int>(m1 - m0), x, m0, tile, nullptr, y + m0 * ldy, ldy, ncols);
+  if (num_chunks > 1) return q8_blocks_unpacked<F, kSuperActs>(x, m0, m1, num_chunks, tile, y, ldy, ncols);
+  q8_block_n<F, kSuperActs, F::kRows, false, true>(static_cast<int>(m1 - m0), x, m0, tile, nullptr, y + m0 * ldy,
+                                                   ldy, ncols);
 }
 
 using TileRowsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, float*,
@@ -737,6 +789,7 @@ struct QuantPart {
   ExpandGroupsFn expand_groups = nullptr;
   int64_t group = 0;  // inputs per group
   Q8RowsFn q8_rows = nullptr;  // quad layouts: multiplied by the activations rounded to 8 bits (else exact)
+  bool super_acts = false;     // ... with one scale per super-block of 256 inputs (a K-quant's), else per 32
 };
 
 struct QuantMatrix {
@@ -744,6 +797,7 @@ struct QuantMatrix {
   std::vector<int64_t> first_tile;  // per part, its first tile's global index; then the total
   int64_t n = 0, k = 0;
   bool has_q8 = false;
+  bool q8_group_acts = false, q8_super_acts = false;  // which roundings of the activations its parts take
   int64_t num_tiles() const { return first_tile.back(); }
   size_t part_of(int64_t tile) const {
     return static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1);
@@ -785,10 +839,14 @@ inline void set_format(QuantPart& p, bool factored, bool half) {
     set(Fmt<Bits, Group, kMin, false>{});
 }
 
-// A quad format F (Q4QuadT, ByteQuad): its 8-bit path and its row lookup.
+// A quad format F (Q4QuadT, ByteQuad): its 8-bit path and its row lookup. p.super_acts: the layout's rounding of
+// the activations (per super-block for a K-quant, unless flag kLayoutGroupActs), kept only where F has super-blocks.
 template <class F>
 inline void set_quad_format(QuantPart& p) {
-  p.q8_rows = &q8_rows<F>;
+  if constexpr (F::kPerSuper > 1)
+    p.q8_rows = p.super_acts ? &q8_rows<F, true> : &q8_rows<F, false>;
+  else
+    p.q8_rows = &q8_rows<F, false>, p.super_acts = false;
   p.tile_weights = &tile_weights<F>;
   p.tile_bytes = F::tile_bytes(p.num_groups);
 }
@@ -836,7 +894,8 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
   for (int64_t i = 0; i < mt.size(0); ++i, m += 9) {
     const int64_t offset = m[0], rows = m[1], k = m[2], bits = m[3], group = m[4], has_min = m[5], col = m[6];
     const bool half = (m[8] & kLayoutFp16Head) != 0, exact = (m[8] & kLayoutExactQuads) != 0;
-    const int64_t layout = m[8] & ~(kLayoutFp16Head | kLayoutExactQuads);
+    const bool group_acts = (m[8] & kLayoutGroupActs) != 0;
+    const int64_t layout = m[8] & ~(kLayoutFp16Head | kLayoutExactQuads | kLayoutGroupActs);
     TORCH_CHECK(m[7] == kPanel, "part ", i, " was packed in tiles of ", m[7], " rows; this kernel build takes ",
                 kPanel, " (pack with the loaded variant's panel_width)");
     TORCH_CHECK(rows > 0 && k > 0 && group > 0 && k % group == 0, "part ", i, ": rows and K a multiple of group");
@@ -868,6 +927,10 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
                 ") takes layouts 0, 1, 3, 6, 8 and 10, groups of 32");
     TORCH_CHECK(!exact || ((six_bit || five_bit) && byte_quads), "part ", i, ": flag ", kLayoutExactQuads,
                 " (the exact path) takes layouts 6 to 9");
+    TORCH_CHECK(!group_acts || (!exact && (layout == 4 || layout == 5 || layout == 7 || layout == 9)), "part ", i,
+                ": flag ", kLayoutGroupActs, " (activations per group of 32) takes the factored quad layouts 4, 5, 7",
+                " and 9");
+    p.super_acts = factored && !group_acts;
     if (exact) {
       five_bit ? set_byte_quads<5, true>(p, group, has_min, factored, half)
                : set_byte_quads<6, true>(p, group, has_min, factored, half);
@@ -901,6 +964,7 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
                 " runs past the data");
     p.data = data.data_ptr<uint8_t>() + offset;
     q.k = k, q.n += rows;
+    if (p.q8_rows) (p.super_acts ? q.q8_super_acts : q.q8_group_acts) = true;
     q.parts.push_back(p);
     q.first_tile.push_back(q.first_tile.back() + p.num_tiles);
   }
@@ -910,18 +974,14 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
 
 }  // namespace
 
-// quant_linear_raw for a matrix with quad-layout parts: the activations rounded to 8 bits once (buffers kept
-// across calls: a prefill's are megabytes), then every tile by its part's path (a Q8_0 part of a fused matrix stays
-// exact), rows in blocks of ~256 KB of codes.
+// quant_linear_raw for a matrix with quad-layout parts: the activations rounded to 8 bits once (per group of 32,
+// per super-block of 256 for the K-quants' parts, or both for a matrix of both), then every tile by its part's path
+// (a Q8_0 part of a fused matrix stays exact), rows in blocks of ~256 KB of codes.
 inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, float* y) {
-  const int64_t K = w.k, N = w.n, G = K / Q4Quad::kGroup;
-  thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> scales, scaled_sums;
-  thread_local std::vector<int32_t> sums16;
-  if (codes.size() < size_t(M * K)) codes.resize(M * K);
-  if (scales.size() < size_t(M * G)) scales.resize(M * G), scaled_sums.resize(M * G), sums16.resize(2 * M * G);
-  quantize_acts(x, M, K, codes.data(), scales.data(), scaled_sums.data(), sums16.data());
-  const Q8Acts acts{codes.data(), scales.data(), scaled_sums.data(), sums16.data(), K, G};
+  const int64_t K = w.k, N = w.n;
+  thread_local Q8ActsBuffers per_group, per_super;
+  const Q8Acts group_acts = w.q8_group_acts ? per_group.round(x, M, K, Q4Quad::kGroup) : Q8Acts{};
+  const Q8Acts super_acts = w.q8_super_acts ? per_super.round(x, M, K, 256) : Q8Acts{};
   const int64_t block_rows = std::max<int64_t>(kQ8Rows, kPanelRowBlockBytes / K / kQ8Rows * kQ8Rows);
   const RowSums xsum(x, M, K, block_rows);  // for the exact parts' small blocks
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
@@ -930,7 +990,7 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, flo
       const int64_t m1 = std::min(M, m0 + block_rows);
       w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
         if (part.q8_rows) {
-          part.q8_rows(acts, m0, m1, tile, y + col, N, ncols);
+          part.q8_rows(part.super_acts ? super_acts : group_acts, m0, m1, tile, y + col, N, ncols);
         } else {
           if (M > kQFusedRows && panel.empty()) panel.resize(K * kPanel);
           part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
