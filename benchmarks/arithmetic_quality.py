@@ -17,6 +17,10 @@ text and top-1 agreement is at least 97%.
 
     python -m benchmarks.arithmetic_quality --model qwen2.5-coder-0.5b-instruct [--num-tokens 20000]
         [--kv-cache-dtype auto --kv-cache-dtype int8 --kv-cache-dtype fp8]
+
+gguf-q8 runs the forms ``model/arithmetic.py`` chose for the file; ``TOKENMILL_WIDE_QUADS=0/1`` (Q8_0 and IQ4 tensors
+exact or rounded) and ``TOKENMILL_SUPER_BLOCK_ACTS=0/1`` (the K-quants' activations per group of 32 or per
+super-block of 256) measure the others.
 """
 
 from __future__ import annotations
