@@ -142,12 +142,7 @@ _FP16_HEAD_LAYOUTS = (
 LAYOUT_EXACT_QUADS = 32
 # A flag on the factored quad layouts (4, 5, 7, 9): their activations rounded per group of 32, not per super-block
 LAYOUT_GROUP_ACTS = 64
-_GROUP_ACTS_LAYOUTS = (
-    LAYOUT_BYTE_QUADS_FACTORED,
-    LAYOUT_QUADS_FACTORED,
-    LAYOUT_SIX_BIT_QUADS_FACTORED,
-    LAYOUT_FIVE_BIT_QUADS_FACTORED,
-)
+_GROUP_ACTS_LAYOUTS = tuple(x for x in _FACTORED_LAYOUTS if x in INT8_ACTIVATION_LAYOUTS)
 _SAME_PATH_FLAGS = LAYOUT_FP16_HEAD | LAYOUT_GROUP_ACTS  # flags that leave a layout on its path
 _EXACT_QUAD_LAYOUTS = (*_SIX_BIT_LAYOUTS, *_FIVE_BIT_LAYOUTS)
 BYTE_QUAD_BIAS = 32  # added to the codes (-32..31) of byte quads: vpdpbusd multiplies unsigned bytes

@@ -796,8 +796,8 @@ struct QuantMatrix {
   std::vector<QuantPart> parts;
   std::vector<int64_t> first_tile;  // per part, its first tile's global index; then the total
   int64_t n = 0, k = 0;
-  bool has_q8 = false;
   bool q8_group_acts = false, q8_super_acts = false;  // which roundings of the activations its parts take
+  bool has_q8() const { return q8_group_acts || q8_super_acts; }
   int64_t num_tiles() const { return first_tile.back(); }
   size_t part_of(int64_t tile) const {
     return static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1);
@@ -820,6 +820,7 @@ struct QuantMatrix {
 // A format F (Fmt, QuadExact) on the exact path.
 template <class F>
 inline void set_exact_format(QuantPart& p) {
+  p.super_acts = false;  // the exact path rounds no activations
   p.tile_rows = &tile_rows<F>;
   p.tile_weights = &tile_weights<F>;
   p.expand_panel = &expand_panel<F>;
@@ -935,14 +936,11 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
       five_bit ? set_byte_quads<5, true>(p, group, has_min, factored, half)
                : set_byte_quads<6, true>(p, group, has_min, factored, half);
     } else if (nibble_quads) {
-      q.has_q8 = true;
       factored ? set_quad_format<Q4QuadT<true>>(p)
                : (half ? set_quad_format<Q4QuadT<false, true>>(p) : set_quad_format<Q4Quad>(p));
     } else if (wide_quads) {
-      q.has_q8 = true;
       half ? set_byte_quad<32, false, false, 8, true, true>(p) : set_byte_quad<32, false, false, 8, false, true>(p);
     } else if (byte_quads) {
-      q.has_q8 = true;
       if (five_bit)
         set_byte_quads<5>(p, group, has_min, factored, half);
       else
@@ -1049,7 +1047,7 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
   const int64_t K = w.k, N = w.n;
   const int64_t block_rows = std::max<int64_t>(
       kPanelMaxRows, kPanelRowBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
-  if (w.has_q8) {
+  if (w.has_q8()) {
     quant_linear_q8(x, M, w, y);
     return;
   }
