@@ -104,9 +104,8 @@ class ThreadGovernor:
             return
         efficiency = bound_s / step_s
         self.decode_steps_at[self._applied] += 1
-        if (
-            self._load is not None
-        ):  # read every window: a reading then covers the last one, not all since a probe
+        # read every window: a reading then covers the last one, not all since a probe
+        if self._load is not None:
             self._load.other_cores()
         if self._probing is not None:
             self._probe.append(efficiency)
