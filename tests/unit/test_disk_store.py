@@ -6,6 +6,7 @@ import errno
 import multiprocessing
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,18 @@ def test_two_processes_share_a_folder(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, 1 << 30)
     assert store.num_blocks == 150
     assert all(bytes(store.read(_hash(i), PAYLOAD)) == _payload(i) for i in range(150))
+
+
+def test_a_starting_store_leaves_a_live_writers_temporary_and_deletes_a_dead_ones(tmp_path: Path) -> None:
+    live = tmp_path / f"{_hash(1).hex()}.kv.tmp4242.1"  # another engine, mid-write
+    dead = tmp_path / f"{_hash(2).hex()}.kv.tmp4343.1"  # a writer that died an hour ago
+    live.write_bytes(b"half")
+    dead.write_bytes(b"half")
+    an_hour_ago = time.time() - 3600
+    os.utime(dead, (an_hour_ago, an_hour_ago))
+    store = DiskBlockStore(tmp_path, 1 << 20)
+    assert live.exists() and not dead.exists()
+    assert store.num_blocks == 0  # neither is a block
 
 
 def test_bad_bounds_and_keys() -> None:

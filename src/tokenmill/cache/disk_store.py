@@ -11,7 +11,8 @@ is their last use, so the order survives a restart). A write that fails (a full 
 the memory tier and the request go on.
 
 Several engines may share a folder (replicas on one machine): names are content hashes and writes atomic, so
-the worst a race costs is one block written twice. Each store keeps its own byte count from a scan at start.
+the worst a race costs is one block written twice. Each store keeps its own byte count from a scan at start, and
+a store that starts deletes only temporaries too old to belong to a live writer.
 
 Thread-safe: the engine thread reads, a writer thread writes (``worker/kv_offload.py``).
 """
@@ -23,6 +24,7 @@ import hashlib
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ _MAGIC = b"TMKV"
 _VERSION = 1
 _HEADER = struct.Struct("<4sIQI")  # magic, version, payload bytes, crc32
 _SUFFIX = ".kv"
+_STALE_TEMPORARY_S = 600  # a block's write takes milliseconds; a temporary this old belongs to a dead writer
 
 
 def store_key(*parts: object) -> str:
@@ -83,8 +86,16 @@ class DiskBlockStore:
             self._num_bytes += size
         with self._lock:
             self._evict_to(self.max_bytes)
-        for stale in self.folder.glob("*.tmp*"):  # a writer that died mid-write
-            stale.unlink(missing_ok=True)
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete what writers that died mid-write left. Another live engine may be writing into this folder
+        right now, so only a temporary older than any write takes is stale: a fresh one may be in flight."""
+        cutoff_ns = time.time_ns() - _STALE_TEMPORARY_S * 1_000_000_000
+        for path in self.folder.glob("*.tmp*"):
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime_ns < cutoff_ns:
+                    path.unlink(missing_ok=True)
 
     @property
     def num_bytes(self) -> int:
