@@ -75,6 +75,16 @@ def _load_kwargs(config: EngineConfig) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _process_num_threads() -> int:
+    """The forward's thread count unless ``num_threads`` says otherwise: torch's count when this process built its
+    first engine. A thread governor lowers torch's process-wide count while it runs (a probe of one thread fewer, a
+    busy neighbour), and a later engine must not take what it left as its ceiling."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _max_model_len(config: EngineConfig, model_max_len: int) -> int:
     if config.max_model_len is not None and config.max_model_len > model_max_len:
         raise ValueError(
@@ -103,8 +113,7 @@ class Engine:
         config = replace(config or EngineConfig(), **overrides) if overrides else (config or EngineConfig())
         self.config = config
         self.clock = clock
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.num_threads or _process_num_threads())
         load_kwargs = _load_kwargs(config)
         if loaded is None:
             loaded = load_model(**load_kwargs)
@@ -603,6 +612,8 @@ class Engine:
         if self.thread_governor is not None and self._governor_roofline is not None and kind:
             bound_s = self._governor_roofline.bound_s(scheduler_output.rows)
             self.thread_governor.observe(kind, bound_s, time.perf_counter() - start_s)
+        if self.thread_governor is not None and not self._requests:
+            self.thread_governor.idle()  # a probe's trial count must not outlast the work
         return result
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:

@@ -269,3 +269,25 @@ def test_a_prompt_arriving_during_a_thread_probe_runs_on_every_thread(make_engin
     engine.step()  # the second prompt joins: a mixed step
     engine.step()  # decode again
     assert seen[1:] == [(False, 1), (True, 2), (False, 1)]
+
+
+def test_a_probe_ends_with_the_work_and_a_later_engine_starts_at_every_thread(make_engine):
+    """A governor's probe lowers torch's process-wide count, and a run can end in the middle of one: the engine out
+    of work ends it, and a later engine in the process starts at the count of the first, not at what an earlier
+    governor left (a second engine built after one left at one thread would have had nothing to govern)."""
+    from tokenmill.engine import _process_num_threads
+
+    every = _process_num_threads()
+    if every < 2:
+        pytest.skip("one thread: nothing to govern")
+    engine = make_engine(max_num_seqs=4)
+    engine.add_request("Once upon a time", greedy(4))
+    engine.step()
+    engine.thread_governor._start_probe()
+    assert torch.get_num_threads() == every - 1
+    while engine.has_unfinished():
+        engine.step()
+    assert torch.get_num_threads() == every and engine.thread_governor._probing is None
+    torch.set_num_threads(1)  # as a governor beside a busy neighbour leaves it
+    later = make_engine()
+    assert torch.get_num_threads() == every and later.thread_governor.max_threads == every

@@ -137,11 +137,12 @@ class Counters:
         self.machine, self.neighbour = machine, False
         self.now_s = self.busy_s = self.own_s = 0.0
         self.phantom = 0.0  # load the counters show that takes no core of this machine's
+        self.hidden = False  # the neighbour's load missing from the counters (another guest of the host)
 
     def step(self) -> None:
         self.now_s += 0.01
         self.own_s += 0.01 * self.machine.threads
-        self.busy_s += 0.01 * (self.machine.threads + self.neighbour + self.phantom)
+        self.busy_s += 0.01 * (self.machine.threads + (self.neighbour and not self.hidden) + self.phantom)
 
 
 def machine_with_counters(readable: bool = True) -> tuple[Machine, Counters]:
@@ -170,6 +171,59 @@ def run_counted(m: Machine, c: Counters, num_steps: int, neighbour: bool) -> lis
         c.step()
         m.governor.observe("decode", bound_s=table[m.threads] * 0.01, step_s=0.01)
     return used
+
+
+def run_prompts(m: Machine, c: Counters, num_steps: int, neighbour: bool) -> list[int]:
+    """Steps with prompt tokens alone (prefills of one token each): the count each forward ran at."""
+    c.neighbour = neighbour
+    used = []
+    for _ in range(num_steps):
+        m.governor.begin_step("prefill")
+        used.append(m.threads)
+        c.step()
+        m.governor.observe("prefill", bound_s=0.005, step_s=0.01)
+    return used
+
+
+def test_prompt_steps_return_to_every_thread_once_the_counters_see_the_neighbour_gone() -> None:
+    """Only decode steps decide; prompt steps alone must not keep a count that a neighbour who has left forced."""
+    m, c = machine_with_counters()
+    g = m.governor
+    run_counted(m, c, 50, neighbour=False)
+    run_counted(m, c, 40, neighbour=True)
+    assert g.num_threads == 1
+    assert run_prompts(m, c, 60, neighbour=True) == [1] * 60  # the neighbour stays: so does the count
+    after = run_prompts(m, c, 30, neighbour=False)
+    assert after[-1] == 2 and after.index(2) <= 12 and g.num_returns == 1  # within a reading's window
+    assert g.num_threads == 2 and m.threads == 2
+    # the decode steps judge the count afresh: the neighbour back, they lower it again
+    used = run_counted(m, c, 3 * g.min_probe_every, neighbour=True)
+    assert g.num_threads == 1 and used[-g.min_probe_every :].count(1) == g.min_probe_every
+
+
+def test_prompt_steps_keep_a_count_lowered_where_the_counters_saw_nothing() -> None:
+    """A neighbour the counters do not show (another guest): when its leaving cannot be read, prompt steps keep the
+    count, and the decode steps' probes alone bring the threads back."""
+    m, c = machine_with_counters()
+    g = m.governor
+    c.hidden = True
+    run_counted(m, c, 50, neighbour=False)
+    run_counted(m, c, 40, neighbour=True)
+    assert g.num_threads == 1
+    assert run_prompts(m, c, 60, neighbour=False) == [1] * 60 and g.num_returns == 0
+    run_counted(m, c, g.max_probe_every, neighbour=False)
+    assert g.num_threads == 2
+
+
+def test_an_engine_out_of_work_ends_a_probe_at_the_chosen_count() -> None:
+    m = Machine()
+    g = m.governor
+    m.run(g.probe_every, QUIET)  # the first probe starts after the last of these steps
+    assert g._probing == 1 and m.threads == 1
+    g.idle()
+    assert g._probing is None and m.threads == 2 and g.num_threads == 2
+    g.idle()  # nothing in flight: nothing to do
+    assert m.calls == [1, 2]
 
 
 def test_the_counters_keep_probes_out_of_a_neighbours_core_until_it_leaves() -> None:

@@ -27,7 +27,12 @@ from inside a container) and the governor stops reading them. Before the first p
 cores beside two threads, a quiet machine 0.0-0.14): an engine started beside a busy neighbour then spends one
 reading's window, not ``first_probe_after`` steps, waiting for the starved thread.
 A step with prompt tokens in it always runs at the chosen count: a probe pauses for it (``begin_step``), so a
-prompt that arrives during a probe does not wait on the count under trial.
+prompt that arrives during a probe does not wait on the count under trial. Only decode steps decide, so a run of
+prompt steps alone (prefills of one token each) would keep a count chosen beside a neighbour long after it left:
+where the counters saw the cores taken while the count was lowered, a prompt step whose reading shows them free
+again (at most a quarter of a core taken per thread to add) returns to every thread at once, and the decode steps
+judge that count afresh. An engine out of work ends a probe without a verdict (``idle``): torch's count is
+process-wide, and the trial's must not outlast the work.
 """
 
 from __future__ import annotations
@@ -85,12 +90,51 @@ class ThreadGovernor:
         self._num_slow = 0
         self._reference: float | None = None  # a moving average of the chosen count's efficiency
         self.num_switches = 0
+        self.num_returns = 0  # returns to every thread that the counters decided, at prompt steps
+        self._lowered_beside_neighbour = False  # the counters saw the cores taken while the count was lowered
 
     def begin_step(self, kind: str) -> None:
         """Called before a step's forward with its kind (``roofline.step_kind``): a probe runs on decode steps
         alone, and any other step runs at the chosen count."""
         if self._probing is not None:
             self._apply(self._probing if kind == "decode" else self.num_threads)
+        elif kind != "decode" and self._neighbour_left():
+            self._return_to_every_thread()
+
+    def idle(self) -> None:
+        """The engine has no work left: a probe in flight ends without a verdict, at the chosen count."""
+        if self._probing is not None:
+            self._probing, self._probe = None, []
+            self._apply(self.num_threads)
+
+    def _neighbour_left(self) -> bool:
+        """The counters saw the cores taken while the count was lowered, and their reading now shows them free: at
+        most a quarter of a core taken per thread the return would add."""
+        added = self.max_threads - self.num_threads
+        if added <= 0 or self._load is None:
+            return False
+        other = self._load.other_cores()
+        if other is None:
+            return False
+        if self._cores_taken():
+            self._lowered_beside_neighbour = True
+            return False
+        return (
+            self._lowered_beside_neighbour and other <= self._load.num_cpus - self.max_threads + 0.25 * added
+        )
+
+    def _return_to_every_thread(self) -> None:
+        """Every thread again, judged afresh by the decode steps to come (a probe of one fewer comes early)."""
+        self.num_threads, self.num_switches, self.num_returns = (
+            self.max_threads,
+            self.num_switches + 1,
+            self.num_returns + 1,
+        )
+        self._lowered_beside_neighbour = False
+        self._recent.clear()
+        self._reference, self._num_slow, self._since_probe = None, 0, 0
+        self.probe_every = self.min_probe_every
+        self._apply(self.num_threads)
 
     def _apply(self, num_threads: int) -> None:
         if num_threads != self._applied:
@@ -105,7 +149,9 @@ class ThreadGovernor:
         efficiency = bound_s / step_s
         self.decode_steps_at[self._applied] += 1
         # read every window: a reading then covers the last one, not all since a probe
-        if self._load is not None:
+        if self._load is not None and self.num_threads < self.max_threads and self._cores_taken():
+            self._lowered_beside_neighbour = True
+        elif self._load is not None:
             self._load.other_cores()
         if self._probing is not None:
             self._probe.append(efficiency)
@@ -189,4 +235,5 @@ class ThreadGovernor:
             backoff = self.collapse_backoff if self._collapsed() else 2
             self.probe_every = min(self.max_probe_every, backoff * self.probe_every)
         self._probing, self._probe, self._since_probe = None, [], 0
+        self._lowered_beside_neighbour = False  # until a reading at the chosen count says otherwise
         self._apply(self.num_threads)
