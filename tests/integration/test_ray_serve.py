@@ -102,20 +102,36 @@ def _stream(server: ServerProcess, results: dict[int, Any], i: int, started: thr
         outcome["error"] = repr(exc)
 
 
+def _continue_a_response(server: ServerProcess) -> bool:
+    """Store a response, continue it by its id; whether the two requests were served by different replicas."""
+    url = f"{server.base_url}/v1/responses"
+    first = httpx.post(url, json={"input": "Say hi", "max_output_tokens": 2}, timeout=120)
+    assert first.status_code == 200, first.text
+    then = httpx.post(url, json={"input": "Again", "previous_response_id": first.json()["id"],
+                                 "max_output_tokens": 2}, timeout=120)  # fmt: skip
+    assert then.status_code == 200, then.text
+    return first.headers["x-tokenmill-replica"] != then.headers["x-tokenmill-replica"]
+
+
 def test_a_previous_response_id_continues_on_whichever_replica_serves_it(ray_server: ServerProcess) -> None:
-    """The replicas share one store: a response stored by one replica is continued by the other."""
-    url = f"{ray_server.base_url}/v1/responses"
-    crossed = 0
-    for _ in range(12):
-        first = httpx.post(url, json={"input": "Say hi", "max_output_tokens": 2}, timeout=120)
-        assert first.status_code == 200, first.text
-        then = httpx.post(url, json={"input": "Again", "previous_response_id": first.json()["id"],
-                                     "max_output_tokens": 2}, timeout=120)  # fmt: skip
-        assert then.status_code == 200, then.text
-        crossed += first.headers["x-tokenmill-replica"] != then.headers["x-tokenmill-replica"]
-        if crossed >= 2:
-            break
-    assert crossed >= 2
+    """The replicas share one store: a response stored by one replica is continued by the other. Six clients at
+    once, as in the spreading test: requests sent one at a time may all be routed to the same replica."""
+    outcomes: list[bool] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        for _ in range(4):
+            crossed = _continue_a_response(ray_server)
+            with lock:
+                outcomes.append(crossed)
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 24  # every continuation found its response, whichever replica stored it
+    assert sum(outcomes) >= 2, outcomes
 
 
 def test_a_replica_killed_mid_stream_fails_only_its_own_requests(ray_server: ServerProcess) -> None:
