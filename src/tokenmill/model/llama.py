@@ -237,6 +237,15 @@ class LlamaAttention(nn.Module):
         )  # [T, hidden]
 
 
+# A step's rows go through the MLP in chunks whose gate/up output (fp32) stays within this many bytes. glibc serves
+# a larger block in a thread other than the main one (the server's engine thread) with a fresh mmap, unmapped when
+# freed, whatever its thresholds (allocator.py): a thread's arena grows in heaps of at most 64 MiB. The 1.5B's
+# gate/up output for 1,024 rows is 73 MB: faulted in anew at every such step, 9-200 ms (AMD EPYC family 25 model
+# 17 under KVM, 2026-12-06), and a first step touches twice the memory it needs. llama.cpp's prompt batches have
+# 512 rows by default.
+MLP_CHUNK_BYTES = 32 << 20
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
@@ -244,9 +253,24 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_tanh"
+        self.hidden_size = config.hidden_size
+        self.chunk_rows = max(64, MLP_CHUNK_BYTES // (2 * config.intermediate_size * 4))
 
     def forward(self, x: torch.Tensor, ops: Any = None, lora: Any = None) -> torch.Tensor:
-        """``lora``: the step's adapters (``model.lora.StepLoRA``), None without."""
+        """``lora``: the step's adapters (``model.lora.StepLoRA``), None without. More rows than ``chunk_rows``
+        go in near-equal chunks (not with adapters, whose rows index the whole step, nor across tensor-parallel
+        ranks, where each chunk would be one more all-reduce)."""
+        num_rows = x.shape[0]
+        if num_rows <= self.chunk_rows or lora is not None or hasattr(self.down_proj, "reduce"):
+            return self._forward(x, ops, lora)
+        num_chunks = -(-num_rows // self.chunk_rows)
+        bounds = [num_rows * i // num_chunks for i in range(num_chunks + 1)]
+        out = x.new_empty(num_rows, self.hidden_size)
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            out[start:end] = self._forward(x[start:end], ops, None)
+        return out
+
+    def _forward(self, x: torch.Tensor, ops: Any, lora: Any) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x, lora, self.layer, "gate_up_proj")  # [T, 2 * intermediate]
         if self.gelu:  # GeGLU (Gemma)
             gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
