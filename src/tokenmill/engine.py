@@ -113,7 +113,8 @@ class Engine:
         config = replace(config or EngineConfig(), **overrides) if overrides else (config or EngineConfig())
         self.config = config
         self.clock = clock
-        torch.set_num_threads(config.num_threads or _process_num_threads())
+        process_num_threads = _process_num_threads()  # read before any engine's num_threads is applied
+        torch.set_num_threads(config.num_threads or process_num_threads)
         load_kwargs = _load_kwargs(config)
         if loaded is None:
             loaded = load_model(**load_kwargs)
