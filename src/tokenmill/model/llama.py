@@ -237,12 +237,12 @@ class LlamaAttention(nn.Module):
         )  # [T, hidden]
 
 
-# A step's rows go through the MLP in chunks whose gate/up output (fp32) stays within this many bytes. glibc serves
-# a larger block in a thread other than the main one (the server's engine thread) with a fresh mmap, unmapped when
-# freed, whatever its thresholds (allocator.py): a thread's arena grows in heaps of at most 64 MiB. The 1.5B's
-# gate/up output for 1,024 rows is 73 MB: faulted in anew at every such step, 9-200 ms (AMD EPYC family 25 model
-# 17 under KVM, 2026-12-06), and a first step touches twice the memory it needs. llama.cpp's prompt batches have
-# 512 rows by default.
+# A long step's rows go through the MLP in chunks: at least MLP_CHUNK_ROWS (llama.cpp's prompt batch), more where
+# their fp32 gate/up output stays within MLP_CHUNK_BYTES. A 2,048-token step of Qwen2.5-1.5B then holds 37 MB of
+# gate/up output instead of 147 MB; memory touched for the first time costs about 3 ms per MB under this KVM
+# (AMD EPYC family 25 model 17, 2026-12-06), and a first long prompt paid it. Smaller chunks cost the kernels:
+# 256 rows took 1-4% longer than 512 (its 28 MLPs, AVX-512 and AVX2).
+MLP_CHUNK_ROWS = 512
 MLP_CHUNK_BYTES = 32 << 20
 
 
@@ -254,16 +254,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.gelu = config.hidden_act == "gelu_tanh"
         self.hidden_size = config.hidden_size
-        self.chunk_rows = max(64, MLP_CHUNK_BYTES // (2 * config.intermediate_size * 4))
+        self.chunk_rows = max(MLP_CHUNK_ROWS, MLP_CHUNK_BYTES // (2 * config.intermediate_size * 4))
 
     def forward(self, x: torch.Tensor, ops: Any = None, lora: Any = None) -> torch.Tensor:
-        """``lora``: the step's adapters (``model.lora.StepLoRA``), None without. More rows than ``chunk_rows``
-        go in near-equal chunks (not with adapters, whose rows index the whole step, nor across tensor-parallel
-        ranks, where each chunk would be one more all-reduce)."""
+        """``lora``: the step's adapters (``model.lora.StepLoRA``), None without. At least twice ``chunk_rows``
+        rows go in near-equal chunks of ``chunk_rows`` to twice that (not with adapters, whose rows index the whole
+        step, nor across tensor-parallel ranks, where each chunk would be one more all-reduce)."""
         num_rows = x.shape[0]
-        if num_rows <= self.chunk_rows or lora is not None or hasattr(self.down_proj, "reduce"):
+        if num_rows < 2 * self.chunk_rows or lora is not None or hasattr(self.down_proj, "reduce"):
             return self._forward(x, ops, lora)
-        num_chunks = -(-num_rows // self.chunk_rows)
+        num_chunks = num_rows // self.chunk_rows
         bounds = [num_rows * i // num_chunks for i in range(num_chunks + 1)]
         out = x.new_empty(num_rows, self.hidden_size)
         for start, end in zip(bounds, bounds[1:], strict=False):

@@ -11,9 +11,9 @@ thousand, 38.0-41.9 s against 35.9-36.4 s; AMD EPYC family 25 model 17, 2026-12-
 activations between steps (what it needs again at the next prefill), as vLLM's CPU backend does by asking for
 tcmalloc.
 
-A thread other than the main one takes its blocks from an arena of its own, which grows in heaps of at most
-64 MiB: a larger block is mapped anew there whatever the thresholds, so the model keeps a step's activations below
-that (``model/llama.py``'s ``MLP_CHUNK_BYTES``).
+A thread other than the main one (the server's engine thread) takes its blocks from an arena of its own, whose
+heaps are unmapped when they empty: there only blocks up to about 30 MiB stay between steps (glibc 2.36, measured:
+30 MiB blocks reused from the third on, 32 MiB and larger faulted in anew every time), whatever the thresholds.
 
 :func:`keep_step_memory` is called by the model runner once its KV cache is allocated: the first engine's cache stays
 mapped (its end gives it back); an engine made later in the same process takes its cache from the heap.
