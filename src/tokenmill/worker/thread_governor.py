@@ -107,17 +107,22 @@ class ThreadGovernor:
             self._probing, self._probe = None, []
             self._apply(self.num_threads)
 
+    def _read_load(self) -> float | None:
+        """The counters' reading (None without them); at a lowered count, one that shows the cores taken is
+        remembered for :meth:`_neighbour_left`."""
+        if self._load is None:
+            return None
+        other = self._load.other_cores()
+        if other is not None and self.num_threads < self.max_threads and self._cores_taken():
+            self._lowered_beside_neighbour = True
+        return other
+
     def _neighbour_left(self) -> bool:
         """The counters saw the cores taken while the count was lowered, and their reading now shows them free: at
         most a quarter of a core taken per thread the return would add."""
         added = self.max_threads - self.num_threads
-        if added <= 0 or self._load is None:
-            return False
-        other = self._load.other_cores()
-        if other is None:
-            return False
-        if self._cores_taken():
-            self._lowered_beside_neighbour = True
+        other = self._read_load() if added > 0 else None
+        if other is None or self._load is None:
             return False
         return (
             self._lowered_beside_neighbour and other <= self._load.num_cpus - self.max_threads + 0.25 * added
@@ -148,11 +153,7 @@ class ThreadGovernor:
             return
         efficiency = bound_s / step_s
         self.decode_steps_at[self._applied] += 1
-        # read every window: a reading then covers the last one, not all since a probe
-        if self._load is not None and self.num_threads < self.max_threads and self._cores_taken():
-            self._lowered_beside_neighbour = True
-        elif self._load is not None:
-            self._load.other_cores()
+        self._read_load()  # every window: a reading then covers the last one, not all since a probe
         if self._probing is not None:
             self._probe.append(efficiency)
             if len(self._probe) >= self.probe_steps or self._plainly_slower():
