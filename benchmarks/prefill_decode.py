@@ -12,12 +12,17 @@ itself, and a user of ``serve`` gets it; then again with it off; prefix caching 
 prompt); llama.cpp through ``llama-server -np 1 -t 2``
 (the prebuilt one of ``../shared/PEERS.md`` serves where there is no ``llama-bench``), each a ``/completion`` call
 with ``cache_prompt`` off, its own ``timings`` (``prompt_per_second``, ``predicted_per_second``). Each side warms
-up untimed, then runs ``--rounds`` times; the best round of each is printed with the ratio.
+up untimed; then ``--rounds`` rounds, each running every side once in turn (both engines and the server stay
+loaded), so that a machine whose memory speed changes from minute to minute (it does under KVM here) moves every
+side of a round alike. Printed: each side's best round, the ratios of the bests, and the median over the rounds
+of each round's own ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
 from typing import Any
 
@@ -95,27 +100,48 @@ def main() -> None:
     print(
         f"# prefill of {len(prefill)} tokens; decode of {args.decode_tokens} after 64; best of {args.rounds}"
     )
-    rates = {}
-    for speculation in ("auto", "none"):
-        engine = serve_engine(gguf, speculation)
-        rounds = [
-            tokenmill_rates(engine, prefill, decode_prompt, args.decode_tokens) for _ in range(args.rounds)
-        ]
-        rates[speculation] = (max(r[0] for r in rounds), max(r[1] for r in rounds))
-    tm, plain = rates["auto"], rates["none"]
-    print(f"tokenmill (default): prefill {tm[0]:.1f} tok/s, decode {tm[1]:.1f} tok/s")
-    print(f"tokenmill, speculation off: prefill {plain[0]:.1f} tok/s, decode {plain[1]:.1f} tok/s")
-    if args.llama_server:
-        with llama_server(args.llama_server, gguf, "-np", "1", "-c", "4096") as url:
+    engines = {speculation: serve_engine(gguf, speculation) for speculation in ("auto", "none")}
+    with contextlib.ExitStack() as stack:
+        url = None
+        if args.llama_server:
+            url = stack.enter_context(llama_server(args.llama_server, gguf, "-np", "1", "-c", "4096"))
             llama_rates(url, decode_prompt, decode_prompt, 8)  # warm-up
-            rounds = [
-                llama_rates(url, prefill, decode_prompt, args.decode_tokens) for _ in range(args.rounds)
-            ]
-        lc = (max(r[0] for r in rounds), max(r[1] for r in rounds))
-        print(f"llama-server -np 1: prefill {lc[0]:.1f} tok/s, decode {lc[1]:.1f} tok/s")
-        print(f"tokenmill / llama-server: prefill {tm[0] / lc[0]:.2f}x, decode {tm[1] / lc[1]:.2f}x")
+        rounds: list[dict[str, tuple[float, float]]] = []
+        for _ in range(args.rounds):
+            sides = {
+                name: tokenmill_rates(e, prefill, decode_prompt, args.decode_tokens)
+                for name, e in engines.items()
+            }
+            if url is not None:
+                sides["llama"] = llama_rates(url, prefill, decode_prompt, args.decode_tokens)
+            rounds.append(sides)
+    report(rounds)
+
+
+def report(rounds: list[dict[str, tuple[float, float]]]) -> None:
+    """Each round's rates (prefill / decode tok/s), each side's best, the ratios of the bests, and the median of
+    the rounds' own ratios."""
+    best = {side: tuple(max(r[side][i] for r in rounds) for i in range(2)) for side in rounds[0]}
+    names = {
+        "auto": "tokenmill (default)",
+        "none": "tokenmill, speculation off",
+        "llama": "llama-server -np 1",
+    }
+    for i, r in enumerate(rounds, 1):
         print(
-            f"speculation off / llama-server: prefill {plain[0] / lc[0]:.2f}x, decode {plain[1] / lc[1]:.2f}x"
+            f"round {i}: "
+            + "; ".join(f"{names[side]} {pre:.1f} / {dec:.1f}" for side, (pre, dec) in r.items())
+        )
+    for side, (pre, dec) in best.items():
+        print(f"{names[side]}: prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s (best of {len(rounds)})")
+    if "llama" not in best:
+        return
+    lc = best["llama"]
+    for side, label in (("auto", "tokenmill / llama-server"), ("none", "speculation off / llama-server")):
+        per_round = [statistics.median(r[side][i] / r["llama"][i] for r in rounds) for i in range(2)]
+        print(
+            f"{label}: prefill {best[side][0] / lc[0]:.2f}x, decode {best[side][1] / lc[1]:.2f}x; "
+            f"median of the rounds' ratios: prefill {per_round[0]:.2f}x, decode {per_round[1]:.2f}x"
         )
 
 
