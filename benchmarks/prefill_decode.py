@@ -13,7 +13,7 @@ prompt); llama.cpp through ``llama-server -np 1 -t 2``
 (the prebuilt one of ``../shared/PEERS.md`` serves where there is no ``llama-bench``), each a ``/completion`` call
 with ``cache_prompt`` off, its own ``timings`` (``prompt_per_second``, ``predicted_per_second``). Each side warms
 up untimed; then ``--rounds`` rounds, each running every side once in turn (both engines and the server stay
-loaded), so that a machine whose memory speed changes from minute to minute (it does under KVM here) moves every
+loaded), so that a machine whose memory speed changes level within seconds (it does under KVM here) moves every
 side of a round alike. Printed: each side's best round, the ratios of the bests, and the median over the rounds
 of each round's own ratio.
 """
