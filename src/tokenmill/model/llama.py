@@ -13,6 +13,7 @@ How each piece runs is the model's compute backend's choice (``backend.py``): it
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -266,7 +267,7 @@ class LlamaMLP(nn.Module):
         num_chunks = num_rows // self.chunk_rows
         bounds = [num_rows * i // num_chunks for i in range(num_chunks + 1)]
         out = x.new_empty(num_rows, self.hidden_size)
-        for start, end in zip(bounds, bounds[1:], strict=False):
+        for start, end in itertools.pairwise(bounds):
             out[start:end] = self._forward(x[start:end], ops, None)
         return out
 
