@@ -52,6 +52,32 @@ def test_the_integer_peak_loop_computes_what_it_claims() -> None:
             assert module.qdot_peak(1000, threads) == threads * lanes * sum(range(12))
 
 
+def test_the_fp32_peak_loop_computes_what_it_claims() -> None:
+    """Each accumulator starts at its index and multiplies by 1 and adds 0: the checksum is threads x lanes x
+    (0 + 1 + ... + 11) on every variant, and one round is 12 multiply-adds of a vector, two flops a lane."""
+    from tokenmill.model.cpu import kernels as k
+
+    for variant in ("avx512", "avx2", "base"):
+        if variant not in k.kv.runnable_variants(k.loaded().cpu_flags):
+            continue
+        module = k.load_variant(variant)
+        lanes = {"avx512": 16, "avx2": 8, "base": 4}[variant]
+        assert module.fma_peak_flops_per_iter() == 12 * lanes * 2
+        for threads in (1, 2, 3):
+            assert module.fma_peak(1000, threads) == threads * lanes * sum(range(12))
+
+
+def test_the_fp32_limit_is_the_register_peak_and_never_below_a_matmul() -> None:
+    from tokenmill.model.hardware import measure
+
+    limits = measure("cpu", torch.float32, [("small", 64, 64)], token_counts=(64,), bandwidth_bytes=1 << 20,
+                     quick=True)  # fmt: skip
+    assert limits.peak_fma_flops is not None and limits.peak_fma_flops > 0
+    assert limits.peak_flops == max(limits.peak_fma_flops, limits.peak_matmul_flops)
+    assert limits.peak_matmul_flops == max(p.gflops for p in limits.matmul) * 1e9
+    assert "fp32 multiply-add in registers" in limits.describe()
+
+
 def test_machine_limits_are_measured_once_and_read_after(tmp_path: Path, monkeypatch) -> None:
     from tokenmill.model import hardware_cache
     from tokenmill.model.hardware import HardwareLimits, MatmulPoint

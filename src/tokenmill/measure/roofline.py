@@ -5,7 +5,7 @@ from the model's shapes and the batch) at the machine's peaks, over the step's w
 step's work on this machine; ``fraction = bound_s / step_s`` says how close this one came (1 is the limit).
 Steps are split by kind: ``decode`` (every row computes its next token), ``prefill`` (every row a prompt or a
 chunk of one) and ``mixed``. The limits are measured once per machine and cached (``--hardware-limits cached``,
-the server's default, ``model/hardware_cache.py``: fp32 matmul FLOP/s, the integer dot product's ops/s and read
+the server's default, ``model/hardware_cache.py``: the fp32 multiply-add's FLOP/s, the integer dot product's ops/s and read
 bandwidth), measured again (``measure``) or given (``--hardware-limits GFLOPS,GBS``). A model on llama.cpp's
 arithmetic (``gguf-q8``) has its projections and head bounded by the integer peak and its attention, which runs
 in fp32, by the fp32 peak.

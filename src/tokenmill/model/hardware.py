@@ -3,8 +3,12 @@
 Both are "the best this process showed", so a case's lower bound (``cost_model``) is one the same
 threads and dtype could in principle reach:
 
-- ``peak_flops``: the best FLOP/s of ``F.linear(x [M, K], w [N, K])`` over the model's projection
-  shapes (q/k/v/o, gate/up/down, and their fused forms) at a compute-bound number of tokens.
+- ``peak_flops``: the fp32 limit. On CPU, the FLOP/s of the kernels' multiply-add (``vfmadd`` on 8 or 16 lanes)
+  in a loop that keeps its operands in registers; torch's own matmuls are no limit there (on Zen 5, family
+  26, they reach about half of it, where the exact path's kernels reach more). Elsewhere, or without the C++
+  kernels, the best of ``matmul``. Never below the best matmul.
+- ``matmul``: the FLOP/s of ``F.linear(x [M, K], w [N, K])`` over the model's projection shapes (q/k/v/o,
+  gate/up/down, and their fused forms) at a compute-bound number of tokens: what torch itself reaches.
 - ``peak_int_ops``: on CPU, the integer operations per second of the dot product the 8-bit-activation
   kernels use (``vpdpbusd``, or ``vpmaddubsw`` + ``vpmaddwd`` on AVX2) in a loop that keeps its operands in
   registers: the limit of ``gguf-q8``'s matmuls, as ``peak_flops`` is of fp32 ones.
@@ -46,7 +50,7 @@ class HardwareLimits:
     device: str
     dtype: str
     num_threads: int
-    peak_flops: float  # FLOP/s
+    peak_flops: float  # FLOP/s: the register-resident multiply-add on CPU, else the best matmul
     peak_read_bw: float  # bytes/s
     matmul: list[MatmulPoint] = field(default_factory=list)
     bandwidth_by_method: dict[str, float] = field(default_factory=dict)  # bytes/s
@@ -55,6 +59,12 @@ class HardwareLimits:
     # the 8-bit-activation kernels' integer dot product in registers (ops/s, 2 per multiply-add); None unmeasured
     peak_int_ops: float | None = None
     int_instruction: str = ""
+    peak_fma_flops: float | None = None  # the fp32 multiply-add in registers (FLOP/s); None unmeasured
+
+    @property
+    def peak_matmul_flops(self) -> float:
+        """The best FLOP/s torch's own matmul reached (0 where none ran)."""
+        return max((p.gflops for p in self.matmul), default=0.0) * 1e9
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -62,8 +72,13 @@ class HardwareLimits:
     def describe(self) -> str:
         lines = [
             f"hardware limits on {self.device} ({self.dtype}, {self.num_threads} threads): "
-            f"matmul {self.peak_flops / 1e9:.1f} GFLOP/s, read bandwidth {self.peak_read_bw / 1e9:.1f} GB/s",
+            f"compute {self.peak_flops / 1e9:.1f} GFLOP/s, read bandwidth {self.peak_read_bw / 1e9:.1f} GB/s",
         ]
+        if self.peak_fma_flops:
+            lines.append(
+                f"  fp32 multiply-add in registers {self.peak_fma_flops / 1e9:.1f} GFLOP/s; torch's best matmul "
+                f"{self.peak_matmul_flops / 1e9:.1f} ({self.peak_matmul_flops / self.peak_fma_flops:.0%} of it)"
+            )
         if self.peak_int_ops:
             lines.append(
                 f"  integer dot product ({self.int_instruction}) {self.peak_int_ops / 1e9:.1f} GOP/s"
@@ -198,6 +213,20 @@ def measure_integer_peak(min_total_s: float = 0.3) -> tuple[float, str] | None:
     return ops / best, integer_dot_instruction()
 
 
+def measure_fma_peak(min_total_s: float = 0.3) -> float | None:
+    """FLOP/s of the fp32 kernels' multiply-add on every torch thread, its operands in registers
+    (``csrc/peak_probe.h``); None without the C++ kernels."""
+    from tokenmill.model.cpu.kernels import loaded
+
+    module = loaded().module
+    if module is None:
+        return None
+    num_threads = torch.get_num_threads()
+    iters = 1 << 18
+    flops = module.fma_peak_flops_per_iter() * iters * num_threads
+    return flops / best_time_s(lambda: module.fma_peak(iters, num_threads), lambda: None, min_total_s)
+
+
 def measure(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -227,11 +256,12 @@ def measure(
     points += measure_matmul(head_shapes, device, dtype, 256, min_total_s)
     bw = measure_read_bandwidth(device, dtype, bandwidth_bytes, min_total_s)
     integer = measure_integer_peak(min_total_s) if device.type == "cpu" else None
+    fma = measure_fma_peak(min_total_s) if device.type == "cpu" and dtype == torch.float32 else None
     return HardwareLimits(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         num_threads=torch.get_num_threads(),
-        peak_flops=max(p.gflops for p in points) * 1e9,
+        peak_flops=max([p.gflops * 1e9 for p in points] + [fma or 0.0]),
         peak_read_bw=max(bw.values()),
         matmul=points,
         bandwidth_by_method=bw,
@@ -239,6 +269,7 @@ def measure(
         last_level_cache_bytes=llc_bytes,
         peak_int_ops=integer[0] if integer else None,
         int_instruction=integer[1] if integer else "",
+        peak_fma_flops=fma,
     )
 
 

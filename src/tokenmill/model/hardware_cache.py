@@ -1,6 +1,6 @@
 """The machine's limits measured once per machine and kept in the cache directory.
 
-``model/hardware.py`` measures the fp32 matmul peak, the integer dot-product peak and the read bandwidth in a
+``model/hardware.py`` measures the fp32 multiply-add peak, the integer dot-product peak and the read bandwidth in a
 few seconds; a server's roofline (``--hardware-limits``, ``tokenmill.measure.roofline``) needs them at every start. This
 module keeps one JSON file per machine as the engine sees it: the CPU's model name, its flags, its core count,
 the torch thread count and the kernel variant (any of them changed: another file, measured again). The first
@@ -25,9 +25,9 @@ from tokenmill.model.hardware import HardwareLimits, MatmulPoint, measure
 
 logger = logging.getLogger("tokenmill.hardware")
 
-# fp32 shapes large enough to reach the machine's matmul peak whatever model runs (a 1.5B's projections)
+# fp32 shapes large enough to show torch's matmul peak whatever model runs (a 1.5B's projections)
 MACHINE_SHAPES = [("hidden", 1536, 1536), ("up", 1536, 8960), ("down", 8960, 1536)]
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: peak_flops is the register-resident multiply-add's rate
 
 
 def machine_key(num_threads: int | None = None) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-// The integer dot-product peak of this CPU, as the 8-bit-activation kernels reach it: a loop that keeps its
-// operands in registers and issues simd::qdot32 (vpdpbusd on AVX-512 VNNI; vpmaddubsw + vpmaddwd + vpaddd on
-// AVX2) on kAccs independent accumulators, so neither memory nor one chain's latency bounds it. Every torch
-// thread runs it (model/hardware.py times the call and divides the operations by the time).
+// The arithmetic peaks of this CPU, as the kernels reach them: loops that keep their operands in registers and
+// issue one instruction on kAccs independent accumulators, so neither memory nor one chain's latency bounds them.
+// qdot_peak: simd::qdot32, the 8-bit-activation kernels' integer dot product (vpdpbusd on AVX-512 VNNI;
+// vpmaddubsw + vpmaddwd + vpaddd on AVX2). fma_peak: simd::fmadd, the fp32 kernels' multiply-add (torch's own
+// matmuls can fall well short of it: on Zen 5 they reach about half). Every torch thread runs the loop
+// (model/hardware.py times the call and divides the operations by the time).
 #pragma once
 
 #include <torch/extension.h>
@@ -53,5 +55,34 @@ inline int64_t qdot_peak(int64_t iters, int64_t num_threads) {
 
 // integer operations one qdot_peak round of one thread does
 inline int64_t qdot_peak_ops_per_iter() { return int64_t(kAccs) * int64_t(sizeof(simd::QVec)) * 2; }
+
+// `iters` rounds of kAccs fmadd calls on each of `num_threads` workers; returns a checksum of the sums. Each
+// accumulator starts at its index and adds 0 times 1: the multiplier and addend come through volatile reads,
+// so the compiler cannot fold the loop away, and the sums stay exact.
+inline int64_t fma_peak(int64_t iters, int64_t num_threads) {
+  TORCH_CHECK(iters > 0 && num_threads > 0, "fma_peak: iters and num_threads must be positive");
+  std::atomic<int64_t> checksum{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      volatile float one = 1.0f, zero = 0.0f;
+      const simd::Vec b = simd::set1(one), c = simd::set1(zero);
+      simd::Vec acc[kAccs];
+      for (int a = 0; a < kAccs; ++a) acc[a] = simd::set1(static_cast<float>(a));
+      for (int64_t i = 0; i < iters; ++i)
+        for (int a = 0; a < kAccs; ++a) acc[a] = simd::fmadd(acc[a], b, c);
+      float out[simd::kLanes];
+      int64_t sum = 0;
+      for (int a = 0; a < kAccs; ++a) {
+        simd::store(out, acc[a]);
+        for (int l = 0; l < simd::kLanes; ++l) sum += static_cast<int64_t>(out[l]);
+      }
+      checksum += sum;
+    }
+  });
+  return checksum.load();
+}
+
+// floating-point operations one fma_peak round of one thread does (a multiply-add is two)
+inline int64_t fma_peak_flops_per_iter() { return int64_t(kAccs) * simd::kLanes * 2; }
 
 }  // namespace tokenmill_peak
