@@ -28,6 +28,7 @@ KERNEL_TESTS = [
     "tests/unit/test_cpu_kernels.py",
     "tests/unit/test_attention.py",
     "tests/unit/test_lora_kernel.py",
+    "tests/unit/test_hardware_probe.py",
 ]
 
 
