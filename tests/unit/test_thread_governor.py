@@ -108,6 +108,36 @@ def test_a_probe_into_a_collapse_backs_off_four_times() -> None:
     assert gaps[:2] == [4 * g.min_probe_every + 1, g.max_probe_every + 1], gaps
 
 
+def test_a_lasting_slowdown_no_count_cures_is_probed_once_not_every_few_steps() -> None:
+    """The count chosen beside a neighbour slows to half (the neighbour now also takes the memory's bandwidth), and
+    more threads stay worse: the collapse is probed, then the slower steps become the usual ones. Were the slow
+    steps kept out of the usual efficiency, every three of them would probe into the neighbour's core again."""
+    m = Machine()
+    g = m.governor
+    m.run(50, QUIET)
+    m.run(40, BUSY)
+    assert g.num_threads == 1
+    probes_before = g.num_probes
+    used = m.run(400, {2: 0.25, 1: 0.30})
+    assert g.num_threads == 1
+    assert g.num_probes - probes_before <= 3, g.num_probes - probes_before
+    assert used.count(2) <= 3 * g.probe_steps
+
+
+def test_spikes_in_the_steps_do_not_raise_the_usual_efficiency() -> None:
+    """Real steps scatter (speculative verifications, the memory's changing speed): one step in four at 2.5x the
+    usual efficiency must not make the usual steps look collapsed."""
+    m = Machine()
+    g = m.governor
+    spikes = [1.0, 1.0, 1.0, 2.5]
+    used = []
+    for i in range(3000):
+        used.append(m.threads)
+        g.observe("decode", bound_s=QUIET[m.threads] * spikes[i % 4] * 0.01, step_s=0.01)
+    assert g.num_threads == 2 and g.num_switches == 0
+    assert used.count(1) / len(used) < 0.03
+
+
 def test_a_prompt_during_a_probe_runs_at_the_chosen_count() -> None:
     m = Machine()
     g = m.governor
@@ -240,6 +270,25 @@ def test_the_counters_keep_probes_out_of_a_neighbours_core_until_it_leaves() -> 
     assert (
         g.num_threads == 2 and 2 in after[: g.min_probe_every // 2]
     )  # probed back within the first readings
+
+
+def test_a_slowdown_at_the_lowered_count_waits_while_the_counters_see_the_cores_taken() -> None:
+    """Beside the neighbour the lowered count's steps slow further; a probe back to more threads would wait for a
+    starved thread, and the counters say so: no probe, the slowdown counted as deferred."""
+    m, c = machine_with_counters()
+    g = m.governor
+    run_counted(m, c, 50, neighbour=False)
+    run_counted(m, c, 40, neighbour=True)
+    assert g.num_threads == 1
+    deferred = g.num_probes_deferred
+    c.neighbour = True
+    used = []
+    for i in range(200):  # every 10th step at a tenth of the usual efficiency, three in a row at a time
+        used.append(m.threads)
+        c.step()
+        slow = i % 10 < 3
+        m.governor.observe("decode", bound_s=BUSY[m.threads] * (0.1 if slow else 1.0) * 0.01, step_s=0.01)
+    assert 2 not in used and g.num_probes_deferred > deferred
 
 
 def test_an_engine_started_beside_a_neighbour_probes_at_the_first_reading() -> None:

@@ -8,7 +8,11 @@ one compare) at the thread count in use and at one fewer: every ``probe_every`` 
 ``probe_steps`` steps at the other count and keeps whichever was faster by more than ``margin``. A count that
 keeps winning is probed more rarely (the interval doubles up to ``max_probe_every``), so on a quiet machine the
 probes cost about ``probe_steps / max_probe_every`` of the steps at the slower count; a sudden slowdown (a decode
-step at less than ``collapse`` of the recent efficiency, ``collapse_steps`` times in a row) probes at once.
+step at less than ``collapse`` of the count's usual efficiency, ``collapse_steps`` times in a row) probes at once.
+The usual efficiency is the median of the chosen count's last ``usual_steps`` decode steps, slow ones included:
+real steps scatter (a speculative verification, the memory's changing speed), and a figure that left the slow
+steps out would only rise, until ordinary steps read as collapsed and probed every few steps (seen beside a
+neighbour on an AMD EPYC family 26: a probe back into its core every three steps, half the one-thread rate).
 A probe that cannot win ends early, keeping the count: its first ``probe_abort_steps`` steps all below
 ``abort_below`` of the chosen count's efficiency, or one below ``collapse`` of it; a probe that ended in a collapse
 puts the next one four times as far off (``collapse_backoff``; a merely slower one doubles the interval), since each
@@ -20,7 +24,8 @@ waits for the starved one. Switching still takes the whole probe. The first prob
 collapse against.
 Where the kernel's counters can be read (``worker/cpu_load.py``), a periodic probe back to more threads waits while
 other processes hold the cores those threads would need (less than half a core free per added thread): beside a
-busy neighbour it would run a step that waits for a starved thread, and the counters say so for free. It waits at
+busy neighbour it would run a step that waits for a starved thread, and the counters say so for free; so does a
+slowdown at the lowered count, which more threads cannot cure while their cores are taken. A periodic probe waits at
 most ``max_deferral`` decode steps past its time; if that probe wins anyway, the counters misled (a host's load seen
 from inside a container) and the governor stops reading them. Before the first probe, a reading of at least
 ``neighbour_cores`` while every thread runs starts it at once (a neighbour spinning on one of 2 cores read 0.3-1.0
@@ -62,6 +67,7 @@ class ThreadGovernor:
         load: CpuLoad | None = None,
         max_deferral: int = 4096,
         neighbour_cores: float = 0.4,
+        usual_steps: int = 16,
     ) -> None:
         if max_threads < 2:
             raise ValueError(f"a thread governor needs at least 2 threads, got {max_threads}")
@@ -88,7 +94,7 @@ class ThreadGovernor:
         self._probing: int | None = None  # the count being probed
         self._since_probe = 0
         self._num_slow = 0
-        self._reference: float | None = None  # a moving average of the chosen count's efficiency
+        self._usual: deque[float] = deque(maxlen=usual_steps)  # the chosen count's last decode steps' efficiencies
         self.num_switches = 0
         self.num_returns = 0  # returns to every thread that the counters decided, at prompt steps
         self._lowered_beside_neighbour = False  # the counters saw the cores taken while the count was lowered
@@ -137,7 +143,8 @@ class ThreadGovernor:
         )
         self._lowered_beside_neighbour = False
         self._recent.clear()
-        self._reference, self._num_slow, self._since_probe = None, 0, 0
+        self._usual.clear()
+        self._num_slow, self._since_probe = 0, 0
         self.probe_every = self.min_probe_every
         self._apply(self.num_threads)
 
@@ -159,15 +166,15 @@ class ThreadGovernor:
             if len(self._probe) >= self.probe_steps or self._plainly_slower():
                 self._decide()
             return
-        slow = self._reference is not None and efficiency < self.collapse * self._reference
+        slow = bool(self._usual) and efficiency < self.collapse * statistics.median(self._usual)
         self._num_slow = self._num_slow + 1 if slow else 0
-        if not slow:  # the count's usual efficiency, which slow steps do not drag down
-            self._reference = (
-                efficiency if self._reference is None else 0.9 * self._reference + 0.1 * efficiency
-            )
+        self._usual.append(efficiency)
         self._recent.append(efficiency)
         self._since_probe += 1
-        if self._num_slow >= self.collapse_steps:  # compare with the slow steps alone: they are the present
+        if self._num_slow >= self.collapse_steps and self._cores_taken():
+            self._num_slow = 0  # more threads would wait for the taken cores: nothing to probe
+            self.num_probes_deferred += 1
+        elif self._num_slow >= self.collapse_steps:  # compare with the slow steps alone: they are the present
             self._recent = deque(list(self._recent)[-self.collapse_steps :], maxlen=self.probe_steps)
             self._start_probe()
         elif self._neighbour_before_first_probe():
@@ -230,7 +237,7 @@ class ThreadGovernor:
                 self._load = None  # more threads won where the counters said their cores were taken
             self.num_threads, self.num_switches = self._probing, self.num_switches + 1
             self._recent = deque(self._probe[-self.probe_steps :], maxlen=self.probe_steps)
-            self._reference = probed
+            self._usual = deque(self._probe, maxlen=self._usual.maxlen)
             self.probe_every = self.min_probe_every
         else:
             backoff = self.collapse_backoff if self._collapsed() else 2
