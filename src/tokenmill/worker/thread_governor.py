@@ -94,7 +94,8 @@ class ThreadGovernor:
         self._probing: int | None = None  # the count being probed
         self._since_probe = 0
         self._num_slow = 0
-        self._usual: deque[float] = deque(maxlen=usual_steps)  # the chosen count's last decode steps' efficiencies
+        # the chosen count's last decode steps' efficiencies, slow ones included: their median is the usual one
+        self._usual: deque[float] = deque(maxlen=usual_steps)
         self.num_switches = 0
         self.num_returns = 0  # returns to every thread that the counters decided, at prompt steps
         self._lowered_beside_neighbour = False  # the counters saw the cores taken while the count was lowered
