@@ -12,7 +12,8 @@ step at less than ``collapse`` of the count's usual efficiency, ``collapse_steps
 The usual efficiency is the median of the chosen count's last ``usual_steps`` decode steps, slow ones included:
 real steps scatter (a speculative verification, the memory's changing speed), and a figure that left the slow
 steps out would only rise, until ordinary steps read as collapsed and probed every few steps (seen beside a
-neighbour on an AMD EPYC family 26: a probe back into its core every three steps, half the one-thread rate).
+neighbour on an AMD EPYC family 26, 2026-12-07: a probe back into its core every three steps, half the one-thread
+rate).
 A probe that cannot win ends early, keeping the count: its first ``probe_abort_steps`` steps all below
 ``abort_below`` of the chosen count's efficiency, or one below ``collapse`` of it; a probe that ended in a collapse
 puts the next one four times as far off (``collapse_backoff``; a merely slower one doubles the interval), since each
