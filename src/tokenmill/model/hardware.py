@@ -198,24 +198,9 @@ def measure_read_bandwidth(
     return out
 
 
-def measure_integer_peak(min_total_s: float = 0.3) -> tuple[float, str] | None:
-    """(ops/s, instruction) of the 8-bit-activation kernels' integer dot product on every torch thread, its
-    operands in registers (``csrc/peak_probe.h``); None without the C++ kernels."""
-    from tokenmill.model.cpu.kernels import integer_dot_instruction, loaded
-
-    module = loaded().module
-    if module is None:
-        return None
-    num_threads = torch.get_num_threads()
-    iters = 1 << 18
-    ops = module.qdot_peak_ops_per_iter() * iters * num_threads
-    best = best_time_s(lambda: module.qdot_peak(iters, num_threads), lambda: None, min_total_s)
-    return ops / best, integer_dot_instruction()
-
-
-def measure_fma_peak(min_total_s: float = 0.3) -> float | None:
-    """FLOP/s of the fp32 kernels' multiply-add on every torch thread, its operands in registers
-    (``csrc/peak_probe.h``); None without the C++ kernels."""
+def _register_loop_rate(probe: str, ops_per_iter: str, min_total_s: float) -> float | None:
+    """Operations per second of one of ``csrc/peak_probe.h``'s register-resident loops (the kernel module's
+    function ``probe``, each round ``ops_per_iter()`` operations) on every torch thread; None without the kernels."""
     from tokenmill.model.cpu.kernels import loaded
 
     module = loaded().module
@@ -223,8 +208,22 @@ def measure_fma_peak(min_total_s: float = 0.3) -> float | None:
         return None
     num_threads = torch.get_num_threads()
     iters = 1 << 18
-    flops = module.fma_peak_flops_per_iter() * iters * num_threads
-    return flops / best_time_s(lambda: module.fma_peak(iters, num_threads), lambda: None, min_total_s)
+    ops = getattr(module, ops_per_iter)() * iters * num_threads
+    run = getattr(module, probe)
+    return ops / best_time_s(lambda: run(iters, num_threads), lambda: None, min_total_s)
+
+
+def measure_integer_peak(min_total_s: float = 0.3) -> tuple[float, str] | None:
+    """(ops/s, instruction) of the 8-bit-activation kernels' integer dot product, its operands in registers."""
+    from tokenmill.model.cpu.kernels import integer_dot_instruction
+
+    rate = _register_loop_rate("qdot_peak", "qdot_peak_ops_per_iter", min_total_s)
+    return None if rate is None else (rate, integer_dot_instruction())
+
+
+def measure_fma_peak(min_total_s: float = 0.3) -> float | None:
+    """FLOP/s of the fp32 kernels' multiply-add, its operands in registers; None without the C++ kernels."""
+    return _register_loop_rate("fma_peak", "fma_peak_flops_per_iter", min_total_s)
 
 
 def measure(
