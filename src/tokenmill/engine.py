@@ -115,6 +115,10 @@ class Engine:
         self.clock = clock
         process_num_threads = _process_num_threads()  # read before any engine's num_threads is applied
         torch.set_num_threads(config.num_threads or process_num_threads)
+        # the count this engine's forwards run at on CPU (None: tensor parallelism sets its workers' own)
+        self._num_threads = (
+            (config.num_threads or process_num_threads) if config.tensor_parallel_size == 1 else None
+        )
         load_kwargs = _load_kwargs(config)
         if loaded is None:
             loaded = load_model(**load_kwargs)
@@ -586,6 +590,8 @@ class Engine:
         kind = step_kind(scheduler_output.rows) if scheduler_output.rows else ""  # "": an idle step
         if self.thread_governor is not None and kind:
             self.thread_governor.begin_step(kind)
+        if kind:
+            self._claim_threads()
         result = StepResult(record=scheduler_output.record)
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -616,6 +622,15 @@ class Engine:
         if self.thread_governor is not None and not self._requests:
             self.thread_governor.idle()  # a probe's trial count must not outlast the work
         return result
+
+    def _claim_threads(self) -> None:
+        """torch's thread count is the process's: another engine in it (a benchmark's second engine)
+        may have set its own since this engine's last step. Set this engine's again where it differs."""
+        import torch
+
+        want = self.thread_governor.applied if self.thread_governor is not None else self._num_threads
+        if want is not None and torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _advance_grammars(self, touched: list[Request], now_s: float) -> None:
         """Feed each constrained request's matcher its new tokens; a complete grammar ends it ("stop")."""

@@ -291,3 +291,33 @@ def test_a_probe_ends_with_the_work_and_a_later_engine_starts_at_every_thread(ma
     torch.set_num_threads(1)  # as a governor beside a busy neighbour leaves it
     later = make_engine()
     assert torch.get_num_threads() == every and later.thread_governor.max_threads == every
+
+
+def test_two_engines_in_one_process_each_run_at_their_own_count(make_engine):
+    """torch's thread count is the process's: one engine's governor that chose one thread must not leave the other
+    engine's forwards at one thread while that one's governor believes it set two (a benchmark holds both)."""
+    from tokenmill.engine import _process_num_threads
+
+    if _process_num_threads() < 2:
+        pytest.skip("one thread: nothing to govern")
+    torch.set_num_threads(2)
+    lowered, other = make_engine(max_num_seqs=4), make_engine(max_num_seqs=4)
+    seen: dict[str, list[int]] = {"lowered": [], "other": []}
+    for name, engine in (("lowered", lowered), ("other", other)):
+        execute = engine.runner.execute
+
+        def recording(scheduler_output, execute=execute, name=name):
+            seen[name].append(torch.get_num_threads())
+            return execute(scheduler_output)
+
+        engine.runner.execute = recording
+    lowered.thread_governor.num_threads = 1  # as a governor leaves it after a probe that one thread won
+    lowered.thread_governor._apply(1)
+    assert torch.get_num_threads() == 1 and other.thread_governor.applied == 2
+    other.add_request("Once upon a time", greedy(4))
+    lowered.add_request("def fibonacci(n):", greedy(4))
+    while other.has_unfinished() or lowered.has_unfinished():
+        other.step()
+        lowered.step()
+    assert seen["other"] and set(seen["other"]) == {2}
+    assert seen["lowered"] and set(seen["lowered"]) == {1}

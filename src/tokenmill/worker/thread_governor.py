@@ -150,6 +150,11 @@ class ThreadGovernor:
         self.probe_every = self.min_probe_every
         self._apply(self.num_threads)
 
+    @property
+    def applied(self) -> int:
+        """The count this governor last set: what its engine's next forward should run at."""
+        return self._applied
+
     def _apply(self, num_threads: int) -> None:
         if num_threads != self._applied:
             self._applied = num_threads
