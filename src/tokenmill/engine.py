@@ -114,11 +114,10 @@ class Engine:
         self.config = config
         self.clock = clock
         process_num_threads = _process_num_threads()  # read before any engine's num_threads is applied
-        torch.set_num_threads(config.num_threads or process_num_threads)
+        num_threads = config.num_threads or process_num_threads
+        torch.set_num_threads(num_threads)
         # the count this engine's forwards run at on CPU (None: tensor parallelism sets its workers' own)
-        self._num_threads = (
-            (config.num_threads or process_num_threads) if config.tensor_parallel_size == 1 else None
-        )
+        self._num_threads = num_threads if config.tensor_parallel_size == 1 else None
         load_kwargs = _load_kwargs(config)
         if loaded is None:
             loaded = load_model(**load_kwargs)
