@@ -1,7 +1,7 @@
 """Builds tokenmill's C++ CPU kernels at install, once per instruction-set variant (metadata: pyproject.toml).
 
-``src/tokenmill/model/cpu/csrc/cpu_ops.cpp`` is compiled three times, into ``tokenmill._C_avx512``, ``_C_avx2`` and
-``_C_base``, each with its own flags (``csrc/simd.h`` picks the vector body from them); at import,
+``src/tokenmill/model/cpu/csrc/cpu_ops.cpp`` is compiled four times, into ``tokenmill._C_avx512``, ``_C_avxvnni``,
+``_C_avx2`` and ``_C_base``, each with its own flags (``csrc/simd.h`` picks the vector body from them); at import,
 ``tokenmill.model.cpu.kernels`` loads the best variant the CPU can run. No compiler is needed after install. A
 variant that fails to compile fails the build. On a CPU that is not x86-64 only the portable ``base`` variant is
 built. ``TOKENMILL_VARIANTS=avx2,base`` (say) builds a subset, for a quicker development build.

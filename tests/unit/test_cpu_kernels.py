@@ -1,6 +1,6 @@
 """The C++ CPU kernels (``model/csrc``) against float64 or plain-torch references, for every variant this CPU
-executes (the ``kernel_variant`` fixture: avx512, avx2 and base on an AVX-512 machine, avx2 and base on an AVX2
-one). A variant that this CPU runs and that is not built fails here rather than skipping.
+executes (the ``kernel_variant`` fixture: avx512, avx2 and base on an AVX-512 machine, avxvnni too where the CPU
+has AVX-VNNI, avx2 and base on an AVX2 one). A variant that this CPU runs and that is not built fails here rather than skipping.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_panel_linear_matches_float64(ops, num_rows: int, out_features: int, in_
     w = torch.randn(out_features, in_features, generator=gen)
     panels = ops.pack_panels(w)
     width = ops.panel_width()
-    assert width == {"avx512": 32, "avx2": 16, "base": 8}[ops.isa()]
+    assert width == {"avx512": 32, "avxvnni": 16, "avx2": 16, "base": 8}[ops.isa()]
     assert panels.shape == (-(-out_features // width), in_features, width)
     out = ops.panel_linear(x, panels, out_features)
     expected = x.double() @ w.double().T

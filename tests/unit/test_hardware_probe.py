@@ -40,7 +40,7 @@ def test_probe_is_twice_the_cache_within_bounds() -> None:
 def test_the_integer_peak_loop_computes_what_it_claims(kernel_variant) -> None:
     """Each accumulator starts at its index and adds quads whose products cancel (codes in equal pairs, activations
     +1 and -1): the checksum is threads x lanes x (0 + 1 + ... + 11) on every variant, whatever the timing."""
-    lanes = {"avx512": 16, "avx2": 8, "base": 4}[kernel_variant.isa()]
+    lanes = {"avx512": 16, "avxvnni": 8, "avx2": 8, "base": 4}[kernel_variant.isa()]
     assert kernel_variant.qdot_peak_ops_per_iter() == 12 * lanes * 4 * 2
     for threads in (1, 2, 3):
         assert kernel_variant.qdot_peak(1000, threads) == threads * lanes * sum(range(12))
@@ -49,7 +49,7 @@ def test_the_integer_peak_loop_computes_what_it_claims(kernel_variant) -> None:
 def test_the_fp32_peak_loop_computes_what_it_claims(kernel_variant) -> None:
     """Each accumulator starts at its index and multiplies by 1 and adds 0: the checksum is threads x lanes x
     (0 + 1 + ... + 11) on every variant, and one round is 12 multiply-adds of a vector, two flops a lane."""
-    lanes = {"avx512": 16, "avx2": 8, "base": 4}[kernel_variant.isa()]
+    lanes = {"avx512": 16, "avxvnni": 8, "avx2": 8, "base": 4}[kernel_variant.isa()]
     assert kernel_variant.fma_peak_flops_per_iter() == 12 * lanes * 2
     for threads in (1, 2, 3):
         assert kernel_variant.fma_peak(1000, threads) == threads * lanes * sum(range(12))

@@ -19,6 +19,8 @@ ZEN3 = frozenset(
 )
 SAPPHIRE_RAPIDS = ZEN3 | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512dq", "avx512bw", "avx512vl"}  # AVX-512 without VNNI
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # AVX-VNNI without AVX-512
+ZEN5 = SAPPHIRE_RAPIDS | {"avx_vnni"}
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,12 @@ SKYLAKE_X = ZEN3 | {"avx512f", "avx512dq", "avx512bw", "avx512vl"}  # AVX-512 wi
         (ZEN3, None, "avx2"),
         (ZEN3, "avx512", "avx2"),  # a cap is an upper bound, not a demand
         (SKYLAKE_X, None, "avx2"),  # the avx512 variant uses VNNI
+        (ALDER_LAKE, None, "avxvnni"),
+        (ALDER_LAKE, "avx512", "avxvnni"),
+        (ALDER_LAKE, "avx2", "avx2"),
+        (ZEN5, None, "avx512"),
+        (ZEN5, "avxvnni", "avxvnni"),
+        (SKYLAKE_X, "avxvnni", "avx2"),
         (frozenset({"sse2", "avx", "fma"}), None, "base"),  # AVX without AVX2
         (frozenset(), "AVX2", "base"),
     ],
@@ -42,7 +50,7 @@ def test_choose_variant(flags: frozenset[str], cap: str | None, expected: str) -
 
 
 def test_a_bad_cap_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA='sse9'.*avx512, avx2, base"):
+    with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA='sse9'.*avx512, avxvnni, avx2, base"):
         kv.choose_variant(ZEN3, "sse9")
 
 
@@ -63,6 +71,8 @@ def test_load_variant_refuses_instructions_the_cpu_lacks() -> None:
         load_variant("avx512", SKYLAKE_X)
     with pytest.raises(RuntimeError, match="avx2 kernels need"):
         load_variant("avx2", frozenset({"avx"}))
+    with pytest.raises(RuntimeError, match=r"avxvnni kernels need CPU flags \['avx_vnni'\]"):
+        load_variant("avxvnni", ZEN3)
     with pytest.raises(ValueError, match="unknown kernel variant"):
         load_variant("neon")
 
@@ -97,6 +107,16 @@ def test_an_avx2_cpu_never_imports_the_avx512_build() -> None:
         "on (vpmaddubsw + vpmaddwd)",  # gguf-q8's integer dot products without VNNI
     }
     assert paths["quant_linear_gguf_q8"] == "on (vpmaddubsw + vpmaddwd)"  # type: ignore[index]
+
+
+@pytest.mark.skipif(
+    "avx_vnni" not in kv.read_cpu_info()[1], reason="the AVX-VNNI build runs only where the CPU has AVX-VNNI"
+)
+def test_an_avx_vnni_cpu_without_avx512_gets_vpdpbusd_on_256_bits() -> None:
+    got = _loaded_in_subprocess(ALDER_LAKE)
+    assert got["variant"] == "avxvnni" and got["modules"] == ["tokenmill._C_avxvnni"]
+    assert got["paths"]["quant_linear_gguf_q8"] == "on (vpdpbusd (AVX-VNNI))"  # type: ignore[index]
+    assert got["paths"]["panel_linear"] == "on"  # type: ignore[index]
 
 
 def test_the_cap_and_the_off_switch() -> None:
@@ -134,16 +154,29 @@ def test_every_variant_is_built_from_these_sources(variant: str) -> None:
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
 @pytest.mark.skipif(not kv.is_x86(), reason="x86 variants exist only on x86-64")
-@pytest.mark.parametrize(("variant", "forbidden"), [("avx2", ("%zmm",)), ("base", ("%ymm", "%zmm"))])
+@pytest.mark.parametrize(
+    ("variant", "forbidden"),
+    [("avxvnni", ("%zmm",)), ("avx2", ("%zmm",)), ("base", ("%ymm", "%zmm"))],
+)
 def test_a_variant_holds_no_wider_instructions_than_its_own(variant: str, forbidden: tuple[str, ...]) -> None:
-    """The AVX2 build has no AVX-512 register in it, the portable build no AVX one: they run where they claim."""
+    """The AVX2 and AVX-VNNI builds have no AVX-512 register and no EVEX-encoded instruction (first byte 0x62 in
+    64-bit code: AVX-512's encoding, which faults on a CPU without it even on 256-bit registers), the portable
+    build no AVX register: they run where they claim."""
     import importlib.util
 
     spec = importlib.util.find_spec(f"tokenmill._C_{variant}")  # the file only: nothing of it runs here
     assert spec is not None and spec.origin is not None
     path = spec.origin
+    # every instruction's bytes on its own line (x86 instructions are at most 15 bytes)
     listing = subprocess.run(
-        ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
-    )
-    assert listing.stdout.count("\tv") > 0 or variant == "base"  # the AVX2 build does use vector instructions
-    assert not [register for register in forbidden if register in listing.stdout]
+        ["objdump", "-d", "--insn-width=15", path], capture_output=True, text=True, check=True
+    ).stdout
+    assert listing.count("\tv") > 0 or variant == "base"  # the AVX2 build does use vector instructions
+    assert not [register for register in forbidden if register in listing]
+    # "  addr:\t62 f2 7d 28 50 c1 \tvpdpbusd ...": the instruction's raw bytes are the second field
+    fields = [line.split("\t") for line in listing.splitlines()]
+    evex = ["\t".join(f) for f in fields if len(f) >= 3 and f[1].startswith("62 ") and f[2].strip()]
+    assert not evex, evex[:3]
+    if variant == "avxvnni":
+        dots = [line for line in listing.splitlines() if "vpdpbusd" in line]
+        assert dots and all("{vex}" in line for line in dots)  # AVX-VNNI's encoding, every one

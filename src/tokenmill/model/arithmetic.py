@@ -28,7 +28,7 @@ EXACT, LLAMA_CPP = "gguf", "gguf-q8"
 MAX_PERPLEXITY_RISE_PCT = 1.0
 MIN_TOP1_AGREEMENT_PCT = 97.0
 # the kernel variants whose 8-bit-activation path runs on integer dot products (csrc/simd.h's qdot)
-INTEGER_DOT_VARIANTS = ("avx512", "avx2")
+INTEGER_DOT_VARIANTS = ("avx512", "avxvnni", "avx2")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The C++ kernels of the CPU path: built at install, once per instruction set, and loaded here.
 
-``setup.py`` compiles ``csrc/cpu_ops.cpp`` into ``tokenmill._C_avx512``, ``_C_avx2`` and ``_C_base``
-(``variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks the
+``setup.py`` compiles ``csrc/cpu_ops.cpp`` into ``tokenmill._C_avx512``, ``_C_avxvnni``, ``_C_avx2`` and
+``_C_base`` (``variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks the
 best variant this CPU can execute (its flags from /proc/cpuinfo), no better than ``TOKENMILL_CPU_ISA`` (``auto``,
-``avx512``, ``avx2``, ``base``) if that is set, and imports only that one: a variant whose instructions the CPU
+``avx512``, ``avxvnni``, ``avx2``, ``base``) if that is set, and imports only that one: a variant whose instructions the CPU
 lacks is never loaded (:func:`load_variant` refuses it). ``TOKENMILL_NO_CPP=1`` loads none.
 
 What the getters below hand out, each the same source in every variant:
@@ -49,7 +49,7 @@ from tokenmill.model.cpu import variants as kv
 
 logger = logging.getLogger(__name__)
 # The variants whose matmuls beat torch's (on base they lose: see the module docstring).
-_MATMUL_VARIANTS = ("avx512", "avx2")
+_MATMUL_VARIANTS = ("avx512", "avxvnni", "avx2")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,12 @@ _PATHS = (
     "decode_stack",
 )
 # the integer dot product of each variant's 8-bit-activation path (simd::qdot)
-_Q8_DOT = {"avx512": "vpdpbusd", "avx2": "vpmaddubsw + vpmaddwd", "base": "plain loops"}
+_Q8_DOT = {
+    "avx512": "vpdpbusd",
+    "avxvnni": "vpdpbusd (AVX-VNNI)",
+    "avx2": "vpmaddubsw + vpmaddwd",
+    "base": "plain loops",
+}
 # The CPU flags `tokenmill info` reports: the ones a variant needs, and a few that say what a CPU could add
 _REPORTED_FLAGS = kv.CPU_FLAGS["avx512"] | {"avx512_bf16", "amx_tile", "avx_vnni"}
 

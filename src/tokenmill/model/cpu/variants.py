@@ -13,7 +13,7 @@ from pathlib import Path
 
 # Best first. A CPU runs a variant when it has every CPU flag (as Linux names them in /proc/cpuinfo) that the
 # variant's compiler flags let the compiler use.
-VARIANTS = ("avx512", "avx2", "base")
+VARIANTS = ("avx512", "avxvnni", "avx2", "base")
 COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512": (
         "-mavx512f",
@@ -25,6 +25,7 @@ COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
         "-mfma",
         "-mf16c",
     ),
+    "avxvnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "base": (),
 }
@@ -32,10 +33,12 @@ CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx512": frozenset(
         {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}
     ),
+    "avxvnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "base": frozenset(),
 }
-ENV_CAP = "TOKENMILL_CPU_ISA"  # auto (default), avx512, avx2 or base: the best variant tokenmill may load
+# auto (default), avx512, avxvnni, avx2 or base: the best variant tokenmill may load
+ENV_CAP = "TOKENMILL_CPU_ISA"
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 
@@ -44,7 +47,7 @@ def is_x86() -> bool:
 
 
 def buildable_variants() -> tuple[str, ...]:
-    """The variants ``setup.py`` builds on this machine: all three on x86-64, the portable one elsewhere."""
+    """The variants ``setup.py`` builds on this machine: all four on x86-64, the portable one elsewhere."""
     return VARIANTS if is_x86() else ("base",)
 
 

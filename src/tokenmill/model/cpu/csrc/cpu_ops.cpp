@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qdot_peak_ops_per_iter", &tokenmill_peak::qdot_peak_ops_per_iter, "integer operations of one round");
   m.def("fma_peak", &tokenmill_peak::fma_peak, "the fp32 multiply-add in registers: iters x kAccs calls per thread");
   m.def("fma_peak_flops_per_iter", &tokenmill_peak::fma_peak_flops_per_iter, "flops of one round");
-  m.def("isa", [] { return std::string(simd::kIsa); }, "the instruction-set variant compiled: avx512, avx2, base");
+  m.def("isa", [] { return std::string(simd::kIsa); }, "the instruction-set variant compiled: avx512, avxvnni, avx2, base");
   m.def("source_digest", [] { return std::string(TOKENMILL_SOURCE_DIGEST); }, "sha256 prefix of csrc/ at build");
   // module_local: each variant module registers its own DecodeStack type
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())

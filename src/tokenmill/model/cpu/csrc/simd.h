@@ -4,11 +4,14 @@
 //
 //   variant  flags                                  kLanes  registers  int16 dot      u8 x s8 dot
 //   avx512   -mavx512f/bw/vl/dq/vnni -mavx2 -mfma      16      32       vpdpwssd       vpdpbusd (VNNI)
+//   avxvnni  -mavx2 -mfma -mf16c -mavxvnni              8      16       vpmaddwd       vpdpbusd (VEX, 256-bit)
 //   avx2     -mavx2 -mfma -mf16c                        8      16       vpmaddwd       vpmaddubsw + vpmaddwd
 //   base     none (portable C++: any CPU, ARM too)      4      16       plain loops    plain loops
 //
-// base's Vec is a GCC/Clang vector of 4 floats, which the compiler maps onto SSE2 or NEON registers. A new
-// instruction set is a new body of these few functions, not a new kernel.
+// base's Vec is a GCC/Clang vector of 4 floats, which the compiler maps onto SSE2 or NEON registers. avxvnni is the
+// avx2 body with its 8-bit dot products in AVX-VNNI's vpdpbusd (the CPUs that have it without AVX-512: Intel's
+// since Alder Lake; AMD's Zen 5 has both). A new instruction set is a new body of these few functions, not a new
+// kernel.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -27,6 +30,9 @@
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TOKENMILL_AVX2 1
+#if defined(__AVXVNNI__)
+#define TOKENMILL_AVXVNNI 1
+#endif
 #include <immintrin.h>
 #endif
 
@@ -224,7 +230,11 @@ inline Vec f8e4m3_bits_to_float(__m512i x) {
 }
 
 #elif defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_AVXVNNI)
+inline constexpr const char* kIsa = "avxvnni";
+#else
 inline constexpr const char* kIsa = "avx2";
+#endif
 inline constexpr int kLanes = 8;
 inline constexpr int kNumRegs = 16;
 
@@ -293,12 +303,7 @@ inline void u4_to_float(const uint8_t* p, Vec& lo, Vec& hi) {
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
 
-// 8-bit activations times 4-bit codes, as on AVX-512 but without VNNI: vpmaddubsw adds pairs of products into
-// int16 lanes (2c, 2c+1 for output c), added up in int16 for at most 8 quads (a group of 32 inputs:
-// 8 * 2 * 15 * 127 = 30,480 < 2^15, no saturation), then vpmaddwd by ones joins each output's two lanes.
 using QVec = __m256i;
-using QAcc = __m256i;  // 2 * kLanes int16 sums
-inline QAcc qacc_zero() { return _mm256_setzero_si256(); }
 inline void q4_quad(const uint8_t* p, QVec& lo, QVec& hi) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(15);
   lo = _mm256_and_si256(b, m);
@@ -309,6 +314,37 @@ inline QVec x_quad(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
+// int32 sums minus `offset` (the codes' bias times the activations' sum), as fp32: as on AVX-512
+inline Vec qacc32_to_float(__m256i a, int32_t offset) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
+}
+#if defined(TOKENMILL_AVXVNNI)
+// 8-bit activations times codes with AVX-VNNI: the AVX-512 body's int32 sums on 256-bit vectors. The {vex} prefix
+// keeps the assembler from the EVEX form (AVX512-VNNI), which a CPU with AVX-VNNI alone would fault on; the asm
+// ties the accumulator to the output as the AVX-512 body's does.
+inline __m256i dpbusd(__m256i acc, __m256i codes, __m256i x) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(codes), "x"(x));
+  return acc;
+}
+using QAcc = __m256i;  // kLanes int32 sums
+inline QAcc qacc_zero() { return _mm256_setzero_si256(); }
+inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return dpbusd(acc, codes, x); }
+inline Vec qacc_to_float(QAcc a) { return _mm256_cvtepi32_ps(a); }
+using QAcc32 = __m256i;
+inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) { return dpbusd(acc, codes, x); }
+inline constexpr int quad_run(int) { return 1; }
+using QRun = QAcc32;
+inline QRun qrun_first(QVec codes, QVec x) { return dpbusd(_mm256_setzero_si256(), codes, x); }
+inline QRun qrun_add(QRun s, QVec codes, QVec x) { return dpbusd(s, codes, x); }
+inline QAcc32 qrun_join(QAcc32 acc, QRun s) { return _mm256_add_epi32(acc, s); }
+constexpr int32_t kWideSumBias = 128;  // as on AVX-512: the stored bytes multiplied as they are
+inline QAcc32 qdot_wide(QAcc32 acc, QVec codes, QVec x) { return dpbusd(acc, codes, x); }
+#else
+// 8-bit activations times 4-bit codes, as on AVX-512 but without VNNI: vpmaddubsw adds pairs of products into
+// int16 lanes (2c, 2c+1 for output c), added up in int16 for at most 8 quads (a group of 32 inputs:
+// 8 * 2 * 15 * 127 = 30,480 < 2^15, no saturation), then vpmaddwd by ones joins each output's two lanes.
+using QAcc = __m256i;  // 2 * kLanes int16 sums
+inline QAcc qacc_zero() { return _mm256_setzero_si256(); }
 inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, x)); }
 inline Vec qacc_to_float(QAcc a) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a, _mm256_set1_epi16(1))); }
 // Byte codes (0..63) times 8-bit activations: a pair of products fits int16 (2 * 63 * 127 = 16,002) but a group's
@@ -317,9 +353,6 @@ inline Vec qacc_to_float(QAcc a) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a
 using QAcc32 = __m256i;  // kLanes int32 sums
 inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
-}
-inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
 }
 // A run of quads' pair sums added up in int16 (vpmaddubsw, vpaddw) and joined into the int32 lanes once per run (one
 // vpmaddwd and vpaddd instead of one per quad): codes below 2^bits and activations within +-127 make a pair at most
@@ -332,6 +365,17 @@ inline QRun qrun_add(QRun s, QVec codes, QVec x) { return _mm256_add_epi16(s, _m
 inline QAcc32 qrun_join(QAcc32 acc, QRun s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
 }
+// Wide byte quads (codes -128..127 stored plus 128): a pair of products of a stored byte (up to 255) and an
+// activation overflows vpmaddubsw's int16, so the code goes back to its sign (xor 128) and llama.cpp's sign trick
+// multiplies |code| (unsigned, at most 128) by the activation given the code's sign: a pair at most
+// 2 * 128 * 127 = 32,512. The sums carry no bias (kWideSumBias 0), each quad's pairs join the int32 lanes at once.
+constexpr int32_t kWideSumBias = 0;
+inline QAcc32 qdot_wide(QAcc32 acc, QVec codes, QVec x) {
+  const __m256i c = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
 inline QVec byte_quad(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 template <int J>
 inline Vec quad_input(QVec w, int32_t bias) {  // as on AVX-512
@@ -346,16 +390,6 @@ inline Vec quad_input(QVec w, int32_t bias) {  // as on AVX-512
                                                   int32_t(0x80808000u | J), int32_t(0x80808004u | J),
                                                   int32_t(0x80808008u | J), int32_t(0x8080800Cu | J)));
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(bias)));
-}
-// Wide byte quads (codes -128..127 stored plus 128): a pair of products of a stored byte (up to 255) and an
-// activation overflows vpmaddubsw's int16, so the code goes back to its sign (xor 128) and llama.cpp's sign trick
-// multiplies |code| (unsigned, at most 128) by the activation given the code's sign: a pair at most
-// 2 * 128 * 127 = 32,512. The sums carry no bias (kWideSumBias 0), each quad's pairs join the int32 lanes at once.
-constexpr int32_t kWideSumBias = 0;
-inline QAcc32 qdot_wide(QAcc32 acc, QVec codes, QVec x) {
-  const __m256i c = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 // Byte quads in six or five bits a code, as on AVX-512 with 128-bit halves (six) or 64-bit lanes (five).
 template <int kCodeBits>
