@@ -21,8 +21,9 @@ from tiny_models import random_blocks
 from tokenmill.model.gguf_blocks import FORMATS, QuantizedWeight, to_groups
 
 MAX_ROWS = 300
-# K = 1,024 makes blocks of 256 KB of x: 64 rows on AVX-512, 60 on AVX2 (a multiple of the register block),
-# so tails of one row at 65, 129, ... or 61, 121, ...; the 8-bit path's blocks (252 rows) at 253.
+# K = 1,024 makes blocks of 256 KB of x where each thread's tiles are expanded once (64 rows on AVX-512, 60 on AVX2:
+# a multiple of the register block) and of 1 MB tile by tile (256 rows, 252), so tails of one row at 65, 129, ...
+# or 61, 121, ... and at 257 or 253; the 8-bit path's blocks (252 rows) at 253.
 IN_FEATURES = 1024
 # K = 5,632 in pieces: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on base (the chunked path past kQFusedRows):
 # every count to 69 (past two blocks of 30 and of 12, one of 64), then counts around later multiples of 30 and 64

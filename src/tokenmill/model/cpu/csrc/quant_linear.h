@@ -38,7 +38,7 @@
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
 // registers, an outer product per input, scale and min once per group (fused_row, fused_rows); more rows (prefill) expand each tile into an fp32 panel and run panel_linear's
 // register-blocked kernel over it: once per call when the rows are more than one ~256 KB block of x (the
-// thread's panels then stream from cache as panel_linear's do from memory), else once per block. A wide K (a
+// thread's panels then stream from cache as panel_linear's do from memory), else once per ~1 MB block of x. A wide K (a
 // down projection), whose blocks of x would hold only a few rows, goes in pieces of K instead (quant_linear_chunked:
 // each tile's piece expanded once per block of 64 rows, not per 8). A matrix with
 // quad-layout parts (quantization="gguf-q8": Q4Quad, ByteQuad) goes through quant_linear_q8: x rounded to 8 bits
@@ -71,8 +71,14 @@ constexpr int kQSplit = 4;                                 // independent sums p
 // prefetchers alone keep too few lines in flight for a decode step to read at memory speed.
 constexpr int64_t kQPrefetchBytes = 32768;
 // Beyond one block of x rows a thread expands all its tiles once, up to this many bytes of fp32 panels (the
-// LM head's 113 MB would not fit: it goes tile by tile, each tile once per block of rows).
-constexpr int64_t kQExpandOnceBytes = 16 << 20;  // the group size of every format with a min
+// LM head's 113 MB or a gate/up projection's 55 MB would not fit: they go tile by tile).
+constexpr int64_t kQExpandOnceBytes = 16 << 20;
+// Past that, each tile is expanded once per block of x rows of this many bytes: 1 MB, 170 rows of the 1.5B's 1,536
+// inputs, where panel_linear's 256 KB (40 rows) expanded a gate/up tile 26 times for 1,024 rows. The 1.5B's gate/up
+// projection at 1,024 rows on the exact path: 1.08-1.12x with blocks of 1, 2 and 8 MB (all rows), alternated with
+// 256 KB in one process (AMD EPYC family 26 model 2, Zen 5, 2 threads, 2026-12-07); x streams from L2 and L3 as the
+// expanded tile (L2-resident) passes it.
+constexpr int64_t kQTileBlockBytes = 1 << 20;
 
 // Every cache line of a group's `bytes`, kQPrefetchBytes ahead, into L2.
 inline void prefetch_group(const uint8_t* g, int64_t bytes) {
@@ -1055,7 +1061,9 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
     quant_linear_chunked(x, M, w, y);  // a wide K: each tile would be expanded again for every block of few rows
     return;
   }
-  const RowSums xsum(x, M, K, block_rows);
+  const int64_t tile_block_rows = std::max<int64_t>(
+      kPanelMaxRows, kQTileBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+  const RowSums xsum(x, M, K, tile_block_rows);  // the tile-by-tile path's blocks (the other needs no sums)
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {
       // More than one block of rows: expand the thread's tiles once, then run them as panel_linear does
@@ -1074,8 +1082,8 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
       return;
     }
     std::vector<float> panel(M > kQFusedRows ? K * kPanel : 0);  // an expanded tile (prefill only)
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m1 = std::min(M, m0 + block_rows);
+    for (int64_t m0 = 0; m0 < M; m0 += tile_block_rows) {
+      const int64_t m1 = std::min(M, m0 + tile_block_rows);
       w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
         part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
       });
