@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv, install tokenmill with its test and docs extras and the embedded model, and build the C++ kernels (one
-# module per instruction set: avx512, avxvnni, avx2, base; ~70 s a variant on 2 cores). Idempotent: a second run with unchanged
-# pyproject.toml, setup.py, this script and kernel sources does nothing; a changed kernel source rebuilds them.
+# module per instruction set: avx512, avxvnni, avx2, base; ~70 s a variant on 2 cores). Idempotent: a second run
+# with unchanged pyproject.toml, setup.py, this script and kernel sources does nothing; a changed kernel source
+# rebuilds them.
 # A kernel that fails to compile fails this script (and so `make test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."

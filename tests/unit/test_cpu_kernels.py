@@ -1,6 +1,7 @@
 """The C++ CPU kernels (``model/csrc``) against float64 or plain-torch references, for every variant this CPU
 executes (the ``kernel_variant`` fixture: avx512, avx2 and base on an AVX-512 machine, avxvnni too where the CPU
-has AVX-VNNI, avx2 and base on an AVX2 one). A variant that this CPU runs and that is not built fails here rather than skipping.
+has AVX-VNNI, avx2 and base on an AVX2 one). A variant that this CPU runs and that is not built fails here rather
+than skipping.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The C++ kernels of the CPU path: built at install, once per instruction set, and loaded here.
 
 ``setup.py`` compiles ``csrc/cpu_ops.cpp`` into ``tokenmill._C_avx512``, ``_C_avxvnni``, ``_C_avx2`` and
-``_C_base`` (``variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks the
-best variant this CPU can execute (its flags from /proc/cpuinfo), no better than ``TOKENMILL_CPU_ISA`` (``auto``,
-``avx512``, ``avxvnni``, ``avx2``, ``base``) if that is set, and imports only that one: a variant whose instructions the CPU
-lacks is never loaded (:func:`load_variant` refuses it). ``TOKENMILL_NO_CPP=1`` loads none.
+``_C_base`` (``variants.py`` has their flags; ``csrc/simd.h`` the vector body each selects). :func:`loaded` picks
+the best variant this CPU can execute (its flags from /proc/cpuinfo), no better than ``TOKENMILL_CPU_ISA``
+(``auto``, ``avx512``, ``avxvnni``, ``avx2``, ``base``) if that is set, and imports only that one: a variant whose
+instructions the CPU lacks is never loaded (:func:`load_variant` refuses it). ``TOKENMILL_NO_CPP=1`` loads none.
 
 What the getters below hand out, each the same source in every variant:
 
