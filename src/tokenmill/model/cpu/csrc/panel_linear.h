@@ -33,6 +33,11 @@ constexpr int64_t kPanelPrefetchBytes = 16384;
 // 40 to 220 rows measured alike (within 5%) on an AVX-512 Xeon with 2 MB of L2; all 1,024 rows at once, 8% slower.
 constexpr int64_t kPanelRowBlockBytes = 256 * 1024;
 
+// The rows of a block of about `bytes` of fp32 x rows K wide: a multiple of kPanelMaxRows, at least one.
+constexpr int64_t panel_block_rows(int64_t bytes, int64_t K) {
+  return std::max<int64_t>(kPanelMaxRows, bytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+}
+
 // One output row of a panel's width: the two vectors lo, hi at c[0:kPanel], or their first ncols lanes.
 inline void store_panel_row(float* c, simd::Vec lo, simd::Vec hi, int64_t ncols) {
   using namespace simd;
@@ -92,8 +97,7 @@ inline void panel_linear_raw(const float* x, int64_t M, int64_t K, const float* 
   const int64_t P = (N + kPanel - 1) / kPanel;
   // Rows go in blocks of about kPanelRowBlockBytes of x, each block through all of a thread's panels, so the
   // block stays in L2 while the panels stream past (a decode step is one block).
-  const int64_t block_rows = std::max<int64_t>(
-      kPanelMaxRows, kPanelRowBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+  const int64_t block_rows = panel_block_rows(kPanelRowBlockBytes, K);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m1 = std::min(M, m0 + block_rows);

@@ -471,6 +471,7 @@ struct Q4QuadT : Fmt<4, 32, true, kFactored, kHalf> {
     simd::q4_quad(grp + Base::kHead + u * kQuadBytes, w0, w1);
   }
   using Acc = simd::QAcc;  // int16 pairs on AVX2: 8 quads of codes below 16 cannot overflow them
+  static Acc start(int32_t) { return simd::qacc_zero(); }  // no bias to take back
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot(a, w, x); }
   static simd::Vec to_float(Acc a, int32_t) { return simd::qacc_to_float(a); }
   static float weight(const uint8_t* tile, int64_t group, int64_t d, int64_t r) {  // as Fmt::weight's value
@@ -519,10 +520,19 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
       simd::narrow_quad<kCodeBits>(q, w0, w1);
   }
   using Acc = simd::QAcc32;
+  // Where the sums go into int32 lanes at once (kRun 1: AVX-512, AVX-VNNI, base), a group's sums start at minus
+  // kSumBias times the activations' code sum and end unbiased: one broadcast a row and group, not a subtraction a
+  // row, group and half-tile (Q6_K 1.07-1.10x on AVX-512). With runs (AVX2) they start at zero and lose the bias as
+  // they are converted (started at it: 0.96x). The same integers either way.
+  static constexpr bool kBiasedStart = kRun == 1;
+  static Acc start(int32_t code_sum) { return simd::qacc32_set1(kBiasedStart ? -kSumBias * code_sum : 0); }
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) {
     return kWide ? simd::qdot_wide(a, w, x) : simd::qdot32(a, w, x);
   }
-  static simd::Vec to_float(Acc a, int32_t offset) { return simd::qacc32_to_float(a, offset); }
+  static simd::Vec to_float(Acc a, int32_t code_sum) {
+    if constexpr (kBiasedStart) return simd::qacc32_to_float(a, 0);
+    return simd::qacc32_to_float(a, kSumBias * code_sum);
+  }
   // the biased code of tile row r at input d (a byte 4r + d % 4 of its quad, the two QVecs' bytes in a row)
   static int32_t code(const uint8_t* q, int64_t r, int64_t d) {
     const int64_t i = 4 * r + d % 4;
@@ -640,13 +650,15 @@ class Q8ActsBuffers {
 };
 
 
-// One group's integer sums, codes times activations, for R rows of activations (x, a row every ldx): a0 the tile's
-// first kLanes outputs, a1 the rest. A format with runs (ByteQuad on AVX2: F::kRun > 1) adds a run of quads' pair
-// sums in int16 and joins them into the int32 sums once per run.
+// One group's integer sums, codes times activations, for R rows of activations (x, a row every ldx), from F::start
+// of each row's code sum over the group (`sums`): a0 the tile's first kLanes outputs, a1 the rest. A format with
+// runs (ByteQuad on AVX2: F::kRun > 1) adds a run of quads' pair sums in int16 and joins them into the int32 sums once
+// per run.
 template <class F, int R>
-inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, typename F::Acc* a0, typename F::Acc* a1) {
+inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, const int32_t* sums, typename F::Acc* a0,
+                          typename F::Acc* a1) {
   using namespace simd;
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = qacc_zero();
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = F::start(sums[r]);
   if constexpr (F::kRun == 1) {
 #pragma GCC unroll 2
     for (int u = 0; u < F::kNumQuads; ++u) {
@@ -703,15 +715,17 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const type
       const uint8_t* grp = F::group(tile, g);
       if constexpr (kPrefetch) F::prefetch(tile, g);
       typename F::Acc a0[R], a1[R];
-      q8_group_sums<F, R>(grp, x.q + m * x.K + g * F::kGroup, x.K, a0, a1);
+      int32_t sums[R];  // the rows' code sums over the group, where the bias or a min takes them
+      for (int r = 0; r < R; ++r)
+        sums[r] = F::kSumBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
+      q8_group_sums<F, R>(grp, x.q + m * x.K + g * F::kGroup, x.K, sums, a0, a1);
       const auto p = kUnpacked ? heads[g] : F::params(tile, g);
       for (int r = 0; r < R; ++r) {
-        const int32_t sum = F::kSumBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
-        const Vec d0 = F::to_float(a0[r], F::kSumBias * sum), d1 = F::to_float(a1[r], F::kSumBias * sum);
+        const Vec d0 = F::to_float(a0[r], sums[r]), d1 = F::to_float(a1[r], sums[r]);
         t0[r] = kSuper == 1 ? mul(d0, p.s0) : fmadd(d0, p.s0, t0[r]);
         t1[r] = kSuper == 1 ? mul(d1, p.s1) : fmadd(d1, p.s1, t1[r]);
         if constexpr (F::kHasMin) {
-          const Vec xm = set1(F::kGroup == Q4Quad::kGroup ? x.sum32[(m + r) * x.G + g] : float(sum));
+          const Vec xm = set1(F::kGroup == Q4Quad::kGroup ? x.sum32[(m + r) * x.G + g] : float(sums[r]));
           t0[r] = fmadd(p.m0, xm, t0[r]);
           t1[r] = fmadd(p.m1, xm, t1[r]);
         }
@@ -1013,8 +1027,7 @@ inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, flo
 // most kQFusedRows rows takes tile_rows (fused_rows, fused_row).
 constexpr int64_t kQChunkPanelBytes = 128 * 1024;
 constexpr int64_t kQChunkInputs = std::max<int64_t>(256, kQChunkPanelBytes / (kPanel * 4) / 256 * 256);
-constexpr int64_t kQChunkRows =
-    std::max<int64_t>(kPanelMaxRows, kPanelRowBlockBytes / (kQChunkInputs * 4) / kPanelMaxRows * kPanelMaxRows);
+constexpr int64_t kQChunkRows = panel_block_rows(kPanelRowBlockBytes, kQChunkInputs);
 
 inline void quant_linear_chunked(const float* x, int64_t M, const QuantMatrix& w, float* y) {
   const int64_t K = w.k, N = w.n;
@@ -1051,8 +1064,7 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
                              int64_t expand_once_bytes = kQExpandOnceBytes) {
   if (M == 0) return;
   const int64_t K = w.k, N = w.n;
-  const int64_t block_rows = std::max<int64_t>(
-      kPanelMaxRows, kPanelRowBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+  const int64_t block_rows = panel_block_rows(kPanelRowBlockBytes, K);
   if (w.has_q8()) {
     quant_linear_q8(x, M, w, y);
     return;
@@ -1061,8 +1073,7 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
     quant_linear_chunked(x, M, w, y);  // a wide K: each tile would be expanded again for every block of few rows
     return;
   }
-  const int64_t tile_block_rows = std::max<int64_t>(
-      kPanelMaxRows, kQTileBlockBytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+  const int64_t tile_block_rows = panel_block_rows(kQTileBlockBytes, K);
   const RowSums xsum(x, M, K, tile_block_rows);  // the tile-by-tile path's blocks (the other needs no sums)
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {

@@ -135,8 +135,10 @@ inline __m512i dpbusd(__m512i acc, __m512i codes, __m512i x) {
 inline QAcc qdot(QAcc acc, QVec codes, QVec x) { return dpbusd(acc, codes, x); }
 inline Vec qacc_to_float(QAcc a) { return _mm512_cvtepi32_ps(a); }
 // Byte codes (0..63) times 8-bit activations, in int32 lanes whatever the group (quant_linear.h's ByteQuad):
-// minus `offset` (an integer per row and group, the codes' bias times the sum of the activations) before converting.
+// minus `offset` (an integer per row and group, the codes' bias times the sum of the activations) before converting,
+// or started at minus it (qacc32_set1).
 using QAcc32 = __m512i;
+inline QAcc32 qacc32_set1(int32_t v) { return _mm512_set1_epi32(v); }
 inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) { return dpbusd(acc, codes, x); }
 inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(offset)));
@@ -314,7 +316,9 @@ inline QVec x_quad(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
-// int32 sums minus `offset` (the codes' bias times the activations' sum), as fp32: as on AVX-512
+// int32 sums (QAcc32 on every 256-bit body) from a starting value; minus `offset` (the codes' bias times the
+// activations' sum), as fp32: as on AVX-512
+inline __m256i qacc32_set1(int32_t v) { return _mm256_set1_epi32(v); }
 inline Vec qacc32_to_float(__m256i a, int32_t offset) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_set1_epi32(offset)));
 }
@@ -561,8 +565,9 @@ inline Vec qacc_to_float(QAcc a) {
   for (int c = 0; c < kLanes; ++c) r[c] = static_cast<float>(a[c]);
   return r;
 }
-// Byte codes times 8-bit activations: qdot's int32 sums, minus `offset` before converting.
+// Byte codes times 8-bit activations: qdot's int32 sums, from a starting value, minus `offset` before converting.
 using QAcc32 = QAcc;
+inline QAcc32 qacc32_set1(int32_t v) { return QAcc{} + v; }
 inline QAcc32 qdot32(QAcc32 acc, QVec codes, QVec x) { return qdot(acc, codes, x); }
 inline Vec qacc32_to_float(QAcc32 a, int32_t offset) {
   Vec r;
