@@ -522,8 +522,9 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
   using Acc = simd::QAcc32;
   // Where the sums go into int32 lanes at once (kRun 1: AVX-512, AVX-VNNI, base), a group's sums start at minus
   // kSumBias times the activations' code sum and end unbiased: one broadcast a row and group, not a subtraction a
-  // row, group and half-tile (Q6_K 1.07-1.10x on AVX-512). With runs (AVX2) they start at zero and lose the bias as
-  // they are converted (started at it: 0.96x). The same integers either way.
+  // row, group and half-tile (the Q6_K down projection 1.07-1.11x on AVX-512). With runs (AVX2) they start at zero
+  // and lose the bias as they are converted (started at it, two more live registers: 0.86-0.96x). The same integers
+  // either way.
   static constexpr bool kBiasedStart = kRun == 1;
   static Acc start(int32_t code_sum) { return simd::qacc32_set1(kBiasedStart ? -kSumBias * code_sum : 0); }
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) {
