@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -454,3 +455,40 @@ def test_a_long_steps_mlp_in_row_chunks_equals_it_whole(kernel_variant, tmp_path
     calls.clear()
     mlp.chunk_rows = 101  # fewer than twice: whole
     assert torch.equal(mlp(x), whole) and calls == [200]
+
+
+class _Recorder:
+    """The kernel module, recording which of its functions a forward looked up."""
+
+    def __init__(self, module: Any) -> None:
+        self.module, self.names = module, []
+
+    def __getattr__(self, name: str) -> Any:
+        self.names.append(name)
+        return getattr(self.module, name)
+
+
+@pytest.mark.parametrize("quantization", ["gguf-q8", "gguf"])
+def test_the_mlp_hands_gate_up_to_the_down_projection_whole(kernel_variant, tmp_path: Path, quantization) -> None:
+    """With the kernels, a quantized down projection takes gate | up and makes silu(gate) * up itself
+    (``quant_linear_silu``): the output is silu_mul's product through the projection, bit for bit, without
+    silu_mul's fp32 rows; a down projection without the kernel (torch's dequantize) takes the two steps."""
+    path = tmp_path / "tiny-mixed.gguf"
+    write_gguf(path, TYPES)
+    mlp = load_model(str(path), device="cpu", quantization=quantization).model.model.layers[0].mlp
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(8))
+    gate_up = mlp.gate_up_proj(x)
+    expected = mlp.down_proj(kernel_variant.silu_mul(gate_up))
+    ops = _Recorder(kernel_variant)
+    assert torch.equal(mlp._forward(x, ops, None), expected)
+    assert "quant_linear_silu" in ops.names and "silu_mul" not in ops.names
+    if quantization == "gguf-q8":
+        gate_up_rounded = round_activations(kernel_variant.silu_mul(gate_up), 256)
+        weights = mlp.down_proj.weight.dequantize().double()
+        scale = (gate_up_rounded.abs() @ weights.abs().T).clamp_min(1e-30)
+        assert ((expected.double() - gate_up_rounded @ weights.T).abs() / scale).max() < 1e-5
+    assert not mlp._down_takes_silu(None)
+    mlp.down_proj.kernel = None  # torch's dequantize: the two steps
+    ops.names.clear()
+    assert torch.equal(mlp._forward(x, ops, None), mlp.down_proj(kernel_variant.silu_mul(gate_up)))
+    assert "silu_mul" in ops.names and "quant_linear_silu" not in ops.names

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from test_gguf_blocks import act_group, assert_fp32_matmul, reference, round_activations, wide_groups_of_16
 from tiny_models import random_blocks
 
@@ -164,6 +165,45 @@ def test_wide_inputs_in_pieces_equal_the_uncut_fp32_panels(kernel_variant) -> No
         out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta)
         assert torch.equal(out, kernel_variant.panel_linear(x[:m], panels, w.shape[0])), m
     assert_fp32_matmul(out, x, w)
+
+
+# the 8-bit path's row blocks (kQ8Rows: 6 on AVX-512, 4 on 256-bit variants) and its blocks of ~256 KB of codes
+SILU_ROWS = (1, 2, 5, 7, 13, 64, 65, 253, 300)
+
+
+def test_silu_made_as_the_8_bit_path_reads_it(kernel_variant) -> None:
+    """quant_linear_silu(gate | up) is silu_mul then quant_linear, bit for bit, where every part takes 8-bit
+    activations (the product made a span at a time, never stored): Q4_K, Q6_K and Q8_0 parts, each within the
+    rounding of silu_mul's product by its own activations' rounding (a K-quant's per super-block)."""
+    width = kernel_variant.quant_tile_rows()
+    n = width // 2 + 3
+    types = ("Q4_K", "Q6_K", "Q8_0")
+    weight, w = _weights(types, n, IN_FEATURES, width, q8=True)
+    gate_up = 3 * torch.randn(max(SILU_ROWS), 2 * IN_FEATURES, generator=torch.Generator().manual_seed(4))
+    hidden = kernel_variant.silu_mul(gate_up)
+    torch.testing.assert_close(hidden, F.silu(gate_up[:, :IN_FEATURES]) * gate_up[:, IN_FEATURES:])
+    expected = [_rounded(hidden, w[i * n : (i + 1) * n], act_group(t)) for i, t in enumerate(types)]
+    for m in SILU_ROWS:
+        out = kernel_variant.quant_linear_silu(gate_up[:m], weight.data, weight.meta)
+        assert torch.equal(out, kernel_variant.quant_linear(hidden[:m], weight.data, weight.meta)), m
+        for i, (exp, sc) in enumerate(expected):
+            assert ((out[:, i * n : (i + 1) * n].double() - exp[:m]).abs() / sc[:m]).max() < 1e-5, (m, i)
+
+
+def test_silu_with_an_exact_part_takes_the_two_steps(kernel_variant) -> None:
+    """A matrix with an exact part (8-bit groups of 16 no quad layout takes) needs the fp32 product: the same
+    result as silu_mul then quant_linear; a gate | up of the wrong width is refused."""
+    width = kernel_variant.quant_tile_rows()
+    weight, w = _weights(("Q4_K",), width, IN_FEATURES, width, q8=True, exact_rows=width)
+    gate_up = torch.randn(9, 2 * IN_FEATURES, generator=torch.Generator().manual_seed(6))
+    out = kernel_variant.quant_linear_silu(gate_up, weight.data, weight.meta)
+    hidden = kernel_variant.silu_mul(gate_up)
+    assert torch.equal(out, kernel_variant.quant_linear(hidden, weight.data, weight.meta))
+    assert_fp32_matmul(out[:, width:], hidden, w[width:])
+    with pytest.raises(RuntimeError, match="gate_up has"):
+        kernel_variant.quant_linear_silu(gate_up[:, 2:].contiguous(), weight.data, weight.meta)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel_variant.quant_linear_silu(gate_up[:, 2:], weight.data, weight.meta)
 
 
 def test_assert_helpers_fail_on_a_wrong_product() -> None:

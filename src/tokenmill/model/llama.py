@@ -277,11 +277,20 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
             hidden = F.gelu(gate, approximate="tanh") * up
         elif ops is not None and gate_up.is_contiguous():
+            if lora is None and self._down_takes_silu(ops):  # the product never stored in fp32
+                return ops.quant_linear_silu(gate_up, self.down_proj.data, self.down_proj.meta)  # type: ignore[no-any-return]
             hidden = ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
             hidden = F.silu(gate) * up
         return project(self.down_proj, hidden, lora, self.layer, "down_proj")
+
+    def _down_takes_silu(self, ops: Any) -> bool:
+        """Whether the down projection is a bias-free quantized linear on ``ops``' own ``quant_linear``, which
+        ``quant_linear_silu`` runs with silu(gate) * up made as its input is read."""
+        down = self.down_proj
+        kernel = getattr(ops, "quant_linear", None)
+        return kernel is not None and getattr(down, "kernel", None) == kernel and getattr(down, "bias", 0) is None
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width, "output columns per panel of pack_panels (two vectors)");
   m.def("quant_linear", &quant_linear, "x [M, K] @ W^T, W in GGUF-derived blocks (data uint8, meta int64 [P, 9])",
         pybind11::arg("x"), pybind11::arg("data"), pybind11::arg("meta"), pybind11::arg("expand_once_bytes") = -1);
+  m.def("quant_linear_silu", &quant_linear_silu, "(silu(gate) * up) @ W^T of gate_up [M, 2K] (gate | up), W as quant_linear's");
   m.def("quant_tile_rows", &quant_tile_rows, "output rows per tile of the quantized layout (the panel width)");
   m.def("quant_rows", &quant_rows, "rows ids of a quantized W as fp32 [n, K] (embedding lookup)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");

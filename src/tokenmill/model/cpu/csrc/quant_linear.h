@@ -54,6 +54,7 @@
 #include <memory>
 #include <vector>
 
+#include "elementwise.h"
 #include "panel_linear.h"
 #include "simd.h"
 
@@ -460,6 +461,7 @@ struct Q4QuadT : Fmt<4, 32, true, kFactored, kHalf> {
   static constexpr int kNumQuads = 8;
   static constexpr int32_t kBias = 0;  // codes stored as they are
   static constexpr int32_t kSumBias = 0;  // what the integer sums carry per unit of the activations' code sum
+  static constexpr bool kBiasedStart = false;
   static constexpr int64_t kQuadBytes = 2 * kPanel;
   // rows per register block: on 16 registers 4 rows' 8 int16 accumulators left one to spill, its store and reload
   // in every quad's chain (the 1.5B's gate/up projection at 512 rows 84 ms against 65-69 at 3 rows, AVX2 on Zen 4)
@@ -471,7 +473,7 @@ struct Q4QuadT : Fmt<4, 32, true, kFactored, kHalf> {
     simd::q4_quad(grp + Base::kHead + u * kQuadBytes, w0, w1);
   }
   using Acc = simd::QAcc;  // int16 pairs on AVX2: 8 quads of codes below 16 cannot overflow them
-  static Acc start(int32_t) { return simd::qacc_zero(); }  // no bias to take back
+  static Acc start(const int32_t*) { return simd::qacc_zero(); }  // no bias to take back
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) { return simd::qdot(a, w, x); }
   static simd::Vec to_float(Acc a, int32_t) { return simd::qacc_to_float(a); }
   static float weight(const uint8_t* tile, int64_t group, int64_t d, int64_t r) {  // as Fmt::weight's value
@@ -524,9 +526,13 @@ struct ByteQuad : Fmt<kCodeBits, Group, kMin, kFactored, kHalf> {
   // kSumBias times the activations' code sum and end unbiased: one broadcast a row and group, not a subtraction a
   // row, group and half-tile (the Q6_K down projection 1.07-1.11x on AVX-512). With runs (AVX2) they start at zero
   // and lose the bias as they are converted (started at it, two more live registers: 0.86-0.96x). The same integers
-  // either way.
-  static constexpr bool kBiasedStart = kRun == 1;
-  static Acc start(int32_t code_sum) { return simd::qacc32_set1(kBiasedStart ? -kSumBias * code_sum : 0); }
+  // either way. `neg`: minus the row's code sum over the group (Q8Acts::neg_sums).
+  static constexpr bool kBiasedStart = kRun == 1 && kSumBias != 0;
+  static_assert((kSumBias & (kSumBias - 1)) == 0, "a bias that is a power of two: the start is a shift");
+  static Acc start(const int32_t* neg) {
+    if constexpr (kBiasedStart) return simd::qacc32_start<__builtin_ctz(kSumBias)>(neg);
+    return simd::qacc_zero();
+  }
   static Acc dot(Acc a, simd::QVec w, simd::QVec x) {
     return kWide ? simd::qdot_wide(a, w, x) : simd::qdot32(a, w, x);
   }
@@ -586,46 +592,61 @@ struct QuadExact : Q {
 // Activations rounded to 8 bits, llama.cpp's way: for each row, codes [K] in [-127, 127] and a scale s per group of
 // 32 inputs (x ~ code * s), s = max|x| / 127 over the group (llama.cpp's Q8_0 and Q8_1 activations, for the formats
 // without super-blocks) or over the group's super-block of 256 inputs (its Q8_K, for the K-quants: the 8 groups of a
-// super-block share s); per group of 32 its code sum as a float (the mins), per 16 inputs the integer code sum (for
-// ByteQuad's bias and groups of 16).
+// super-block share s); per group of 32 its code sum as a float (the mins), per 16 and per 32 inputs minus the
+// integer code sum (ByteQuad's bias, where a group's sums start, and groups of 16).
 struct Q8Acts {
   const int8_t* q;
   const float* scale;    // [M, G]
   const float* sum32;    // [M, G]: each group of 32's code sum, an integer below 2^13 (exact)
-  const int32_t* sum16;  // [M, K / 16]
+  const int32_t* neg16;  // [M, K / 16]: minus each 16 inputs' code sum
+  const int32_t* neg32;  // [M, G]: minus each group of 32's
   int64_t K, G;
-  // row m's code sum over group g of `group` (16 or 32) inputs
-  int32_t code_sum(int64_t m, int64_t g, int group) const {
-    const int32_t* s = sum16 + m * (K / 16);
-    return group == 16 ? s[g] : s[2 * g] + s[2 * g + 1];
+  // row m's minus code sum over group g of `group` (16 or 32) inputs; the next row's is neg_stride(group) further
+  const int32_t* neg_sums(int64_t m, int64_t g, int group) const {
+    return group == 16 ? neg16 + m * (K / 16) + g : neg32 + m * G + g;
   }
+  int64_t neg_stride(int group) const { return group == 16 ? K / 16 : G; }
+  int32_t code_sum(int64_t m, int64_t g, int group) const { return -*neg_sums(m, g, group); }
 };
 
-// x [M, K] -> codes, scales and sums, s over `scale_group` inputs (32, or 256 where K is a multiple of 256):
+// The activations' values as quantize_acts reads them: x [M, K] as it is (DenseRows), or made a span at a time
+// (quant_linear_silu's SiluRows). values(m, k0, n, buf): row m's inputs k0 .. k0 + n - 1, in buf or in place.
+struct DenseRows {
+  const float* x;
+  int64_t K;
+  const float* values(int64_t m, int64_t k0, int64_t, float*) const { return x + m * K + k0; }
+};
+
+// Activation rows -> codes, scales and sums, s over `scale_group` inputs (32, or 256 where K is a multiple of 256):
 // code = round_to_even(x * (1 / s)), 0 for an all-zero group.
-inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t scale_group, int8_t* q, float* scale,
-                          float* sum32, int32_t* sum16) {
+constexpr int64_t kMaxScaleGroup = 256;
+template <class Rows>
+inline void quantize_acts(const Rows& rows, int64_t M, int64_t K, int64_t scale_group, int8_t* q, float* scale,
+                          float* sum32, int32_t* neg16, int32_t* neg32) {
   using namespace simd;
   constexpr int64_t kGroup = Q4Quad::kGroup;
+  TORCH_CHECK(scale_group % kGroup == 0 && scale_group <= kMaxScaleGroup, "scale group ", scale_group);
   const int64_t G = K / kGroup, span = scale_group / kGroup;  // groups of 32 that share a scale
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    alignas(64) float buf[kMaxScaleGroup];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g0 = 0; g0 < G; g0 += span) {
-        const float* row = x + m * K;
+        const float* vals = rows.values(m, g0 * kGroup, span * kGroup, buf);  // the span's inputs
         Vec amax = zero();
-        for (int64_t v = g0 * kGroup; v < (g0 + span) * kGroup; v += kLanes) amax = max(amax, vabs(load(row + v)));
+        for (int64_t v = 0; v < span * kGroup; v += kLanes) amax = max(amax, vabs(load(vals + v)));
         const float a = reduce_max(amax), s = a / 127.f, inv = a > 0.f ? 1.f / s : 0.f;
         for (int64_t g = g0; g < g0 + span; ++g) {
           Vec sums[2] = {zero(), zero()};  // the codes of inputs 0..15 and 16..31, added lane by lane
           for (int64_t v = 0; v < kGroup; v += kLanes) {
-            const Vec c = min(max(round_nearest(mul(load(row + g * kGroup + v), set1(inv))), set1(-127.f)),
+            const Vec c = min(max(round_nearest(mul(load(vals + (g - g0) * kGroup + v), set1(inv))), set1(-127.f)),
                               set1(127.f));
             store_i8(q + m * K + g * kGroup + v, c);
             sums[v / 16] = add(sums[v / 16], c);
           }
           // integers below 2^11 in magnitude: the float sums are exact
           const int32_t halves[2] = {int32_t(reduce_add(sums[0])), int32_t(reduce_add(sums[1]))};
-          sum16[m * (K / 16) + 2 * g] = halves[0], sum16[m * (K / 16) + 2 * g + 1] = halves[1];
+          neg16[m * (K / 16) + 2 * g] = -halves[0], neg16[m * (K / 16) + 2 * g + 1] = -halves[1];
+          neg32[m * G + g] = -(halves[0] + halves[1]);
           scale[m * G + g] = s;
           sum32[m * G + g] = float(halves[0] + halves[1]);
         }
@@ -636,30 +657,33 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t scale_gr
 // One kind of rounded activations' buffers, kept across calls (a prefill's are megabytes).
 class Q8ActsBuffers {
  public:
-  Q8Acts round(const float* x, int64_t M, int64_t K, int64_t scale_group) {
+  template <class Rows>
+  Q8Acts round(const Rows& rows, int64_t M, int64_t K, int64_t scale_group) {
     const int64_t G = K / Q4Quad::kGroup;
     if (codes_.size() < size_t(M * K)) codes_.resize(M * K);
-    if (scales_.size() < size_t(M * G)) scales_.resize(M * G), sum32_.resize(M * G), sum16_.resize(2 * M * G);
-    quantize_acts(x, M, K, scale_group, codes_.data(), scales_.data(), sum32_.data(), sum16_.data());
-    return Q8Acts{codes_.data(), scales_.data(), sum32_.data(), sum16_.data(), K, G};
+    if (scales_.size() < size_t(M * G))
+      scales_.resize(M * G), sum32_.resize(M * G), neg16_.resize(2 * M * G), neg32_.resize(M * G);
+    quantize_acts(rows, M, K, scale_group, codes_.data(), scales_.data(), sum32_.data(), neg16_.data(),
+                  neg32_.data());
+    return Q8Acts{codes_.data(), scales_.data(), sum32_.data(), neg16_.data(), neg32_.data(), K, G};
   }
 
  private:
   std::vector<int8_t> codes_;
   std::vector<float> scales_, sum32_;
-  std::vector<int32_t> sum16_;
+  std::vector<int32_t> neg16_, neg32_;
 };
 
 
 // One group's integer sums, codes times activations, for R rows of activations (x, a row every ldx), from F::start
-// of each row's code sum over the group (`sums`): a0 the tile's first kLanes outputs, a1 the rest. A format with
-// runs (ByteQuad on AVX2: F::kRun > 1) adds a run of quads' pair sums in int16 and joins them into the int32 sums once
-// per run.
+// of each row's minus code sum over the group (neg, a row every ldn): a0 the tile's first kLanes outputs, a1 the
+// rest. A format with runs (ByteQuad on AVX2: F::kRun > 1) adds a run of quads' pair sums in int16 and joins them into
+// the int32 sums once per run.
 template <class F, int R>
-inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, const int32_t* sums, typename F::Acc* a0,
-                          typename F::Acc* a1) {
+inline void q8_group_sums(const uint8_t* grp, const int8_t* x, int64_t ldx, const int32_t* neg, int64_t ldn,
+                          typename F::Acc* a0, typename F::Acc* a1) {
   using namespace simd;
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = F::start(sums[r]);
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = F::start(neg + r * ldn);
   if constexpr (F::kRun == 1) {
 #pragma GCC unroll 2
     for (int u = 0; u < F::kNumQuads; ++u) {
@@ -716,10 +740,11 @@ inline void q8_block(const Q8Acts& x, int64_t m, const uint8_t* tile, const type
       const uint8_t* grp = F::group(tile, g);
       if constexpr (kPrefetch) F::prefetch(tile, g);
       typename F::Acc a0[R], a1[R];
-      int32_t sums[R];  // the rows' code sums over the group, where the bias or a min takes them
-      for (int r = 0; r < R; ++r)
-        sums[r] = F::kSumBias || F::kGroup != Q4Quad::kGroup ? x.code_sum(m + r, g, F::kGroup) : 0;
-      q8_group_sums<F, R>(grp, x.q + m * x.K + g * F::kGroup, x.K, sums, a0, a1);
+      int32_t sums[R];  // the rows' code sums over the group, where a conversion's bias or a min takes them
+      constexpr bool kSums = (F::kSumBias && !F::kBiasedStart) || (F::kHasMin && F::kGroup != Q4Quad::kGroup);
+      for (int r = 0; r < R; ++r) sums[r] = kSums ? x.code_sum(m + r, g, F::kGroup) : 0;
+      q8_group_sums<F, R>(grp, x.q + m * x.K + g * F::kGroup, x.K, x.neg_sums(m, g, F::kGroup),
+                          x.neg_stride(F::kGroup), a0, a1);
       const auto p = kUnpacked ? heads[g] : F::params(tile, g);
       for (int r = 0; r < R; ++r) {
         const Vec d0 = F::to_float(a0[r], sums[r]), d1 = F::to_float(a1[r], sums[r]);
@@ -819,6 +844,9 @@ struct QuantMatrix {
   int64_t n = 0, k = 0;
   bool q8_group_acts = false, q8_super_acts = false;  // which roundings of the activations its parts take
   bool has_q8() const { return q8_group_acts || q8_super_acts; }
+  bool all_q8() const {  // every part on the 8-bit path: the activations needed only as codes
+    return std::all_of(parts.begin(), parts.end(), [](const QuantPart& p) { return p.q8_rows != nullptr; });
+  }
   int64_t num_tiles() const { return first_tile.back(); }
   size_t part_of(int64_t tile) const {
     return static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1);
@@ -995,14 +1023,18 @@ inline QuantMatrix parse_quant_matrix(const torch::Tensor& data, const torch::Te
 
 // quant_linear_raw for a matrix with quad-layout parts: the activations rounded to 8 bits once (per group of 32,
 // per super-block of 256 for the K-quants' parts, or both for a matrix of both), then every tile by its part's path
-// (a Q8_0 part of a fused matrix stays exact), rows in blocks of ~256 KB of codes.
-inline void quant_linear_q8(const float* x, int64_t M, const QuantMatrix& w, float* y) {
+// (a Q8_0 part of a fused matrix stays exact), rows in blocks of ~256 KB of codes. `rows`: the activations'
+// values (quantize_acts); x: the same as fp32 [M, K] for the exact parts (nullptr where every part is 8-bit).
+template <class Rows>
+inline void quant_linear_q8(const Rows& rows, const float* x, int64_t M, const QuantMatrix& w, float* y) {
   const int64_t K = w.k, N = w.n;
+  const bool all_q8 = w.all_q8();
+  TORCH_CHECK(x || all_q8, "an exact part needs the fp32 activations");
   thread_local Q8ActsBuffers per_group, per_super;
-  const Q8Acts group_acts = w.q8_group_acts ? per_group.round(x, M, K, Q4Quad::kGroup) : Q8Acts{};
-  const Q8Acts super_acts = w.q8_super_acts ? per_super.round(x, M, K, 256) : Q8Acts{};
+  const Q8Acts group_acts = w.q8_group_acts ? per_group.round(rows, M, K, Q4Quad::kGroup) : Q8Acts{};
+  const Q8Acts super_acts = w.q8_super_acts ? per_super.round(rows, M, K, kMaxScaleGroup) : Q8Acts{};
   const int64_t block_rows = std::max<int64_t>(kQ8Rows, kPanelRowBlockBytes / K / kQ8Rows * kQ8Rows);
-  const RowSums xsum(x, M, K, block_rows);  // for the exact parts' small blocks
+  const RowSums xsum(x, all_q8 ? 0 : M, K, block_rows);  // for the exact parts' small blocks
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> panel;  // an expanded tile of an exact part, for more than kQFusedRows rows
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
@@ -1067,7 +1099,7 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
   const int64_t K = w.k, N = w.n;
   const int64_t block_rows = panel_block_rows(kPanelRowBlockBytes, K);
   if (w.has_q8()) {
-    quant_linear_q8(x, M, w, y);
+    quant_linear_q8(DenseRows{x, K}, x, M, w, y);
     return;
   }
   if (M > kQFusedRows && block_rows <= std::max(kQFusedRows, kPanelMaxRows) && K > kQChunkInputs) {
@@ -1105,6 +1137,17 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
 
 inline int64_t quant_tile_rows() { return kPanel; }
 
+// silu(gate) * up of gate_up [M, 2K] (gate | up), made a span at a time by silu_mul's arithmetic
+struct SiluRows {
+  const float* gate_up;
+  int64_t K;
+  const float* values(int64_t m, int64_t k0, int64_t n, float* buf) const {
+    const float* row = gate_up + m * 2 * K;
+    silu_mul_row(row + k0, row + K + k0, n, buf);
+    return buf;
+  }
+};
+
 // x [M, K] fp32; data uint8 [bytes]; meta int64 [P, 9] -> y [M, N] fp32 (N: the parts' rows together);
 // expand_once_bytes < 0: the built-in limit.
 inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, torch::Tensor meta,
@@ -1116,6 +1159,20 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, torch::Te
   auto y = torch::empty({x.size(0), w.n}, x.options());
   quant_linear_raw(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(),
                    expand_once_bytes < 0 ? kQExpandOnceBytes : expand_once_bytes);
+  return y;
+}
+
+// gate_up [M, 2K] (gate | up) -> (silu(gate) * up) @ W^T, as silu_mul then quant_linear, bit for bit. Where every
+// part of W takes 8-bit activations the product is rounded to codes as it is made, a span of inputs at a time,
+// never stored as fp32 [M, K] and read back (a 512-row chunk of Qwen2.5-1.5B's MLP: 18 MB written and read).
+inline torch::Tensor quant_linear_silu(torch::Tensor gate_up, torch::Tensor data, torch::Tensor meta) {
+  const QuantMatrix w = parse_quant_matrix(data, meta);
+  check_fp32_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) == 2 * w.k, "gate_up has ", gate_up.size(1), " columns, the weight ", w.k,
+              " features (gate | up: twice that)");
+  if (!w.all_q8() || gate_up.size(0) == 0) return quant_linear(silu_mul(gate_up), data, meta);
+  auto y = torch::empty({gate_up.size(0), w.n}, gate_up.options());
+  quant_linear_q8(SiluRows{gate_up.data_ptr<float>(), w.k}, nullptr, gate_up.size(0), w, y.data_ptr<float>());
   return y;
 }
 
