@@ -469,7 +469,9 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("quantization", ["gguf-q8", "gguf"])
-def test_the_mlp_hands_gate_up_to_the_down_projection_whole(kernel_variant, tmp_path: Path, quantization) -> None:
+def test_the_mlp_hands_gate_up_to_the_down_projection_whole(
+    kernel_variant, tmp_path: Path, quantization
+) -> None:
     """With the kernels, a quantized down projection takes gate | up and makes silu(gate) * up itself
     (``quant_linear_silu``): the output is silu_mul's product through the projection, bit for bit, without
     silu_mul's fp32 rows; a down projection without the kernel (torch's dequantize) takes the two steps."""

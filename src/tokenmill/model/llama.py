@@ -290,7 +290,11 @@ class LlamaMLP(nn.Module):
         ``quant_linear_silu`` runs with silu(gate) * up made as its input is read."""
         down = self.down_proj
         kernel = getattr(ops, "quant_linear", None)
-        return kernel is not None and getattr(down, "kernel", None) == kernel and getattr(down, "bias", 0) is None
+        return (
+            kernel is not None
+            and getattr(down, "kernel", None) == kernel
+            and getattr(down, "bias", 0) is None
+        )
 
 
 class LlamaDecoderLayer(nn.Module):

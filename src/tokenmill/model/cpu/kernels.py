@@ -20,7 +20,8 @@ What the getters below hand out, each the same source in every variant:
 - ``small_linear`` multiplies rows by an int8 weight, reading the weight once in storage order
   (``csrc/small_linear.h``).
 - ``quant_linear`` / ``quant_rows`` multiply by, and look rows up in, GGUF-quantized weights kept as their
-  blocks (``csrc/quant_linear.h``); on every variant, base included.
+  blocks (``csrc/quant_linear.h``); on every variant, base included. ``quant_linear_silu`` takes an MLP's
+  gate | up and rounds silu(gate) * up to the 8-bit activations as it is made, never storing it in fp32.
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` do the eager forward's elementwise work
   in one pass each (``csrc/elementwise.h``) instead of chains of 4-10 torch ops.
 - ``DecodeStack`` runs every decoder layer for a step of decode rows in one call (``csrc/decode_stack.h``),

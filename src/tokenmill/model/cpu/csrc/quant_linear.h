@@ -43,7 +43,8 @@
 // each tile's piece expanded once per block of 64 rows, not per 8). A matrix with
 // quad-layout parts (quantization="gguf-q8": Q4Quad, ByteQuad) goes through quant_linear_q8: x rounded to 8 bits
 // once (twice for a matrix of K-quant and other parts: per super-block and per group, Q8Acts), every row count
-// through the same integer-dot-product blocks (q8_rows).
+// through the same integer-dot-product blocks (q8_rows); quant_linear_silu rounds an MLP's silu(gate) * up as it
+// makes it (SiluRows), where every part takes 8-bit activations.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
