@@ -33,9 +33,13 @@ constexpr int64_t kPanelPrefetchBytes = 16384;
 // 40 to 220 rows measured alike (within 5%) on an AVX-512 Xeon with 2 MB of L2; all 1,024 rows at once, 8% slower.
 constexpr int64_t kPanelRowBlockBytes = 256 * 1024;
 
-// The rows of a block of about `bytes` of fp32 x rows K wide: a multiple of kPanelMaxRows, at least one.
+// The rows of a block of about `bytes` of rows `row_bytes` each: a multiple of `multiple`, at least one.
+constexpr int64_t rows_per_block(int64_t bytes, int64_t row_bytes, int64_t multiple) {
+  return std::max<int64_t>(multiple, bytes / row_bytes / multiple * multiple);
+}
+// ... of fp32 x rows K wide, in register blocks of kPanelMaxRows
 constexpr int64_t panel_block_rows(int64_t bytes, int64_t K) {
-  return std::max<int64_t>(kPanelMaxRows, bytes / (K * int64_t(sizeof(float))) / kPanelMaxRows * kPanelMaxRows);
+  return rows_per_block(bytes, K * int64_t(sizeof(float)), kPanelMaxRows);
 }
 
 // One output row of a panel's width: the two vectors lo, hi at c[0:kPanel], or their first ncols lanes.

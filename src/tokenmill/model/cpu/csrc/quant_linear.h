@@ -1034,7 +1034,7 @@ inline void quant_linear_q8(const Rows& rows, const float* x, int64_t M, const Q
   thread_local Q8ActsBuffers per_group, per_super;
   const Q8Acts group_acts = w.q8_group_acts ? per_group.round(rows, M, K, Q4Quad::kGroup) : Q8Acts{};
   const Q8Acts super_acts = w.q8_super_acts ? per_super.round(rows, M, K, kMaxScaleGroup) : Q8Acts{};
-  const int64_t block_rows = std::max<int64_t>(kQ8Rows, kPanelRowBlockBytes / K / kQ8Rows * kQ8Rows);
+  const int64_t block_rows = rows_per_block(kPanelRowBlockBytes, K, kQ8Rows);  // K bytes of codes a row
   const RowSums xsum(x, all_q8 ? 0 : M, K, block_rows);  // for the exact parts' small blocks
   at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> panel;  // an expanded tile of an exact part, for more than kQFusedRows rows
