@@ -1171,9 +1171,14 @@ inline torch::Tensor quant_linear_silu(torch::Tensor gate_up, torch::Tensor data
   check_fp32_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) == 2 * w.k, "gate_up has ", gate_up.size(1), " columns, the weight ", w.k,
               " features (gate | up: twice that)");
-  if (!w.all_q8() || gate_up.size(0) == 0) return quant_linear(silu_mul(gate_up), data, meta);
-  auto y = torch::empty({gate_up.size(0), w.n}, gate_up.options());
-  quant_linear_q8(SiluRows{gate_up.data_ptr<float>(), w.k}, nullptr, gate_up.size(0), w, y.data_ptr<float>());
+  const int64_t M = gate_up.size(0);
+  auto y = torch::empty({M, w.n}, gate_up.options());
+  if (M > 0 && w.all_q8()) {
+    quant_linear_q8(SiluRows{gate_up.data_ptr<float>(), w.k}, nullptr, M, w, y.data_ptr<float>());
+  } else {  // the matrix parsed once: the exact path's every MLP call comes this way
+    const auto hidden = silu_mul(gate_up);
+    quant_linear_raw(hidden.data_ptr<float>(), M, w, y.data_ptr<float>());
+  }
   return y;
 }
 

@@ -140,7 +140,7 @@ inline Vec qacc_to_float(QAcc a) { return _mm512_cvtepi32_ps(a); }
 using QAcc32 = __m512i;
 // int32 lanes of *neg << kShift (neg: minus a row's code sum, 2^kShift the codes' bias). The asm keeps the broadcast
 // a load: GCC otherwise moves the value through a general register (load, shift, vpbroadcastd from the register),
-// four instructions a row and group where one suffices: the Q6_K kernel 1.04-1.13x without them (AMD family 26).
+// four instructions a row and group where two suffice: the Q6_K kernel 1.04-1.13x without them (AMD family 26).
 template <int kShift>
 inline QAcc32 qacc32_start(const int32_t* neg) {
   __m512i v;
