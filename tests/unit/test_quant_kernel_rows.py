@@ -26,20 +26,43 @@ MAX_ROWS = 300
 # a multiple of the register block) and of 1 MB tile by tile (256 rows, 252), so tails of one row at 65, 129, ...
 # or 61, 121, ... and at 257 or 253; the 8-bit path's blocks (252 rows) at 253.
 IN_FEATURES = 1024
-# K = 5,632 in pieces: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on base (the chunked path past kQFusedRows):
-# every count to 69 (past two blocks of 30 and of 12, one of 64), then counts around later multiples of 30 and 64
+# K = 5,632 in pieces: blocks of 256 rows on AVX-512, 126 on AVX2, 60 on base (the chunked path past kQFusedRows):
+# every count to 69 (past a block of 60), then counts around later multiples of 60, 126 and 256
 PIECES_ROWS = (
     *range(1, 70),
-    *(m + d for m in (90, 120, 128, 192, 256) for d in (-1, 0, 1)),
-    130,
-    131,
+    *(m + d for m in (120, 126, 180, 252, 256) for d in (-1, 0, 1)),
     299,
     300,
 )
 # a case of the 1.5B's shape class: K = 8,960 gives blocks of 8 rows (the crash), at a few row counts; past
-# kQFusedRows rows such a K goes in pieces (quant_linear_chunked: blocks of 64 rows on AVX-512, 30 on AVX2, 12 on
+# kQFusedRows rows such a K goes in pieces (quant_linear_chunked: blocks of 256 rows on AVX-512, 126 on AVX2, 60 on
 # base), so also blocks ending in tails of 1, 2 and 4 rows after them
-WIDE_K_ROWS = (1, 2, 8, 9, 13, 16, 17, 25, 31, 32, 34, 36, 61, 63, 64, 65, 66, 68, 129, 130)
+WIDE_K_ROWS = (
+    1,
+    2,
+    8,
+    9,
+    13,
+    16,
+    17,
+    25,
+    31,
+    32,
+    34,
+    36,
+    60,
+    61,
+    62,
+    64,
+    126,
+    127,
+    128,
+    130,
+    256,
+    257,
+    258,
+    260,
+)
 
 
 def _weights(
@@ -159,9 +182,9 @@ def test_wide_inputs_in_pieces_equal_the_uncut_fp32_panels(kernel_variant) -> No
     width = kernel_variant.quant_tile_rows()
     weight, w = _weights(("Q4_K", "Q6_K", "Q8_0"), width + 3, 8960, width)
     panels = kernel_variant.pack_panels(w)
-    x = torch.randn(128, 8960, generator=torch.Generator().manual_seed(11))
-    # blocks of 64 / 30 / 12 rows (AVX-512 / AVX2 / base): 90 and 128 rows end in no tail small enough for fused_rows
-    for m in (90, 128):
+    x = torch.randn(120, 8960, generator=torch.Generator().manual_seed(11))
+    # blocks of 256 / 126 / 60 rows (AVX-512 / AVX2 / base): 90 and 120 rows end in no tail small enough for fused_rows
+    for m in (90, 120):
         out = kernel_variant.quant_linear(x[:m], weight.data, weight.meta)
         assert torch.equal(out, kernel_variant.panel_linear(x[:m], panels, w.shape[0])), m
     assert_fp32_matmul(out, x, w)
