@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tokenmill.model.hardware import bandwidth_probe_bytes, last_level_cache_bytes
@@ -53,6 +56,54 @@ def test_the_fp32_peak_loop_computes_what_it_claims(kernel_variant) -> None:
     assert kernel_variant.fma_peak_flops_per_iter() == 12 * lanes * 2
     for threads in (1, 2, 3):
         assert kernel_variant.fma_peak(1000, threads) == threads * lanes * sum(range(12))
+
+
+def test_the_dot_and_multiply_add_mix_computes_what_it_claims(kernel_variant) -> None:
+    """Where the dot product is one instruction (the VNNI variants) the mixed loop runs D dot-product chains and F
+    multiply-add chains, each starting at its index and adding nothing: the checksum is threads x lanes x
+    (0 + ... + D-1, then + 0 + ... + F-1 with the multiply-adds); elsewhere it is refused and its counts are 0."""
+    lanes = {"avx512": 16, "avxvnni": 8, "avx2": 8, "base": 4}[kernel_variant.isa()]
+    counts = {"avx512": [12, 4], "avxvnni": [10, 2], "avx2": [0, 0], "base": [0, 0]}[kernel_variant.isa()]
+    assert kernel_variant.dot_fma_mix_counts() == counts
+    num_dots, num_fmas = counts
+    if num_fmas == 0:
+        with pytest.raises(RuntimeError, match="not measured"):
+            kernel_variant.dot_fma_mix(10, 1, True)
+        return
+    for threads in (1, 2):
+        assert kernel_variant.dot_fma_mix(1000, threads, False) == threads * lanes * sum(range(num_dots))
+        expected = threads * lanes * (sum(range(num_dots)) + sum(range(num_fmas)))
+        assert kernel_variant.dot_fma_mix(1000, threads, True) == expected
+
+
+class _TimedMix:
+    """A kernel module whose mixed loop takes `base_s`, and `base_s * ratio` with its multiply-adds."""
+
+    def __init__(self, counts: list[int], base_s: float, ratio: float) -> None:
+        self.counts, self.base_s, self.ratio = counts, base_s, ratio
+
+    def dot_fma_mix_counts(self) -> list[int]:
+        return self.counts
+
+    def dot_fma_mix(self, iters: int, threads: int, with_fmas: bool) -> int:
+        time.sleep(self.base_s * (self.ratio if with_fmas else 1.0))
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("ratio", "share"), [(1.0 + 4 / 12, 1.0), (1.0 + 2 / 12, 0.5), (1.0, 0.0), (0.9, 0.0), (2.0, 1.0)]
+)
+def test_a_multiply_adds_share_of_a_dot_products_slot(monkeypatch, ratio: float, share: float) -> None:
+    """(time with / time without - 1) x D / F, clipped to [0, 1]: 4 multiply-adds beside 12 dot products that cost
+    4/12 more take whole slots; half that, half a slot; none of it (or a faster loop), none."""
+    from tokenmill.model import hardware
+    from tokenmill.model.cpu import kernels
+
+    fake = _TimedMix([12, 4], 0.02, ratio)
+    monkeypatch.setattr(kernels, "loaded", lambda: SimpleNamespace(module=fake))
+    assert hardware.measure_fma_dot_share(min_total_s=0.05) == pytest.approx(share, abs=0.12)
+    monkeypatch.setattr(kernels, "loaded", lambda: SimpleNamespace(module=_TimedMix([0, 0], 0.0, 1.0)))
+    assert hardware.measure_fma_dot_share(min_total_s=0.05) is None  # AVX2, base
 
 
 def test_the_fp32_limit_is_the_register_peak_and_never_below_a_matmul() -> None:

@@ -60,6 +60,9 @@ class HardwareLimits:
     peak_int_ops: float | None = None
     int_instruction: str = ""
     peak_fma_flops: float | None = None  # the fp32 multiply-add in registers (FLOP/s); None unmeasured
+    # of a dot product's issue slot, what an fp32 multiply-add beside the dot products takes (1: the same ports, 0:
+    # ports of its own): what the 8-bit kernels' epilogue costs them; None unmeasured
+    fma_dot_share: float | None = None
 
     @property
     def peak_matmul_flops(self) -> float:
@@ -80,8 +83,13 @@ class HardwareLimits:
                 f"{self.peak_matmul_flops / 1e9:.1f} ({self.peak_matmul_flops / self.peak_fma_flops:.0%} of it)"
             )
         if self.peak_int_ops:
+            share = (
+                ""
+                if self.fma_dot_share is None
+                else (f"; a multiply-add beside it takes {self.fma_dot_share:.2f} of its issue slot")
+            )
             lines.append(
-                f"  integer dot product ({self.int_instruction}) {self.peak_int_ops / 1e9:.1f} GOP/s"
+                f"  integer dot product ({self.int_instruction}) {self.peak_int_ops / 1e9:.1f} GOP/s{share}"
             )
         for p in self.matmul:
             lines.append(
@@ -226,6 +234,27 @@ def measure_fma_peak(min_total_s: float = 0.3) -> float | None:
     return _register_loop_rate("fma_peak", "fma_peak_flops_per_iter", min_total_s)
 
 
+def measure_fma_dot_share(min_total_s: float = 0.3) -> float | None:
+    """Of a dot product's issue slot, the share an fp32 multiply-add beside the dot products takes: rounds of D dot
+    products with F multiply-adds on chains of their own, timed against the same rounds without them (``csrc/
+    peak_probe.h``'s ``dot_fma_mix``), (time with / time without - 1) x D / F, clipped to [0, 1]. None without the
+    kernels, or where the dot product is not one instruction (AVX2, base)."""
+    from tokenmill.model.cpu.kernels import loaded
+
+    module = loaded().module
+    if module is None:
+        return None
+    num_dots, num_fmas = module.dot_fma_mix_counts()
+    if num_fmas == 0:
+        return None
+    num_threads, iters = torch.get_num_threads(), 1 << 18
+    times = [
+        best_time_s(lambda w=w: module.dot_fma_mix(iters, num_threads, w), lambda: None, min_total_s)
+        for w in (False, True)
+    ]
+    return min(1.0, max(0.0, (times[1] / times[0] - 1.0) * num_dots / num_fmas))
+
+
 def measure(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -256,6 +285,7 @@ def measure(
     bw = measure_read_bandwidth(device, dtype, bandwidth_bytes, min_total_s)
     integer = measure_integer_peak(min_total_s) if device.type == "cpu" else None
     fma = measure_fma_peak(min_total_s) if device.type == "cpu" and dtype == torch.float32 else None
+    share = measure_fma_dot_share(min_total_s) if integer else None
     return HardwareLimits(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -269,6 +299,7 @@ def measure(
         peak_int_ops=integer[0] if integer else None,
         int_instruction=integer[1] if integer else "",
         peak_fma_flops=fma,
+        fma_dot_share=share,
     )
 
 

@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add_", &lora_add_, "out[t] += B_s(A_s x[t]) with s row t's LoRA slot (-1: none), in place (CPU, fp32)");
   m.def("qdot_peak", &tokenmill_peak::qdot_peak, "the integer dot product in registers: iters x kAccs calls per thread");
   m.def("qdot_peak_ops_per_iter", &tokenmill_peak::qdot_peak_ops_per_iter, "integer operations of one round");
+  m.def("dot_fma_mix", &tokenmill_peak::dot_fma_mix,
+        "rounds of dot products with (or without) fp32 multiply-adds beside them: dot_fma_mix_counts() of each");
+  m.def("dot_fma_mix_counts", &tokenmill_peak::dot_fma_mix_counts, "[dot products, multiply-adds] of one round");
   m.def("fma_peak", &tokenmill_peak::fma_peak, "the fp32 multiply-add in registers: iters x kAccs calls per thread");
   m.def("fma_peak_flops_per_iter", &tokenmill_peak::fma_peak_flops_per_iter, "flops of one round");
   m.def("isa", [] { return std::string(simd::kIsa); }, "the instruction-set variant compiled: avx512, avxvnni, avx2, base");
