@@ -1,9 +1,10 @@
 // The arithmetic peaks of this CPU, as the kernels reach them: loops that keep their operands in registers and
 // issue one instruction on kAccs independent accumulators, so neither memory nor one chain's latency bounds them.
 // qdot_peak: simd::qdot32, the 8-bit-activation kernels' integer dot product (vpdpbusd on AVX-512 VNNI;
-// vpmaddubsw + vpmaddwd + vpaddd on AVX2); dot_fma_mix, the same with multiply-adds beside it. fma_peak: simd::fmadd, the fp32 kernels' multiply-add (torch's own
-// matmuls can fall well short of it: on Zen 5 they reach about half). Every torch thread runs the loop
-// (model/hardware.py times the call and divides the operations by the time).
+// vpmaddubsw + vpmaddwd + vpaddd on AVX2); dot_fma_mix, the same with multiply-adds beside it. fma_peak:
+// simd::fmadd, the fp32 kernels' multiply-add (torch's own matmuls can fall well short of it: on Zen 5 they reach
+// about half). Every torch thread runs the loop (model/hardware.py times the call and divides the operations by the
+// time).
 #pragma once
 
 #include <torch/extension.h>
@@ -72,12 +73,13 @@ inline int64_t dot_loop(int64_t iters, int64_t num_threads) {
 inline int64_t qdot_peak(int64_t iters, int64_t num_threads) { return dot_loop<kAccs, 0>(iters, num_threads); }
 
 // kMixDots dot products a round with kMixFmas multiply-adds beside them, or without: the time of the two tells how
-// much of a dot product's issue slot a multiply-add takes on this CPU (model/hardware.py: HardwareLimits.fma_dot_share),
-// what the 8-bit kernels' epilogue (two multiply-adds per 16 dot products a row and group of 32) costs them. Where the
-// dot product is one instruction (vpdpbusd): 12 chains with 4 multiply-adds on 32 registers, 10 with 2 on 16 (12 and
-// their multiply-adds would spill; 8 wait on the instruction's latency). AVX2's three-instruction dot product
-// spills beside them: not measured there (counts of 0).
-inline constexpr bool kMixMeasured = std::string_view(simd::kIsa) == "avx512" || std::string_view(simd::kIsa) == "avxvnni";
+// much of a dot product's issue slot a multiply-add takes on this CPU (model/hardware.py:
+// HardwareLimits.fma_dot_share), what the 8-bit kernels' epilogue costs them (Q4_K: 4 multiply-adds per 16 dot
+// products, a row and group of 32). Where the dot product is one instruction (vpdpbusd): 12 chains with 4
+// multiply-adds on 32 registers, 10 with 2 on 16 (12 and their multiply-adds would spill; 8 wait on the
+// instruction's latency). AVX2's three-instruction dot product spills beside them: not measured there (counts of 0).
+inline constexpr bool kMixMeasured =
+    std::string_view(simd::kIsa) == "avx512" || std::string_view(simd::kIsa) == "avxvnni";
 inline constexpr int kMixDots = simd::kNumRegs >= 32 ? kAccs : 10;
 inline constexpr int kMixFmas = simd::kNumRegs >= 32 ? 4 : 2;
 inline int64_t dot_fma_mix(int64_t iters, int64_t num_threads, bool with_fmas) {
