@@ -22,13 +22,14 @@ namespace tokenmill_peak {
 
 inline constexpr int kAccs = 12;  // independent chains: more than latency x throughput of the instruction
 
-// `iters` rounds of kDots qdot32 calls (and kFmas fmadd calls on accumulators of their own: dot_fma_mix) on each
-// of `num_threads` workers; returns a checksum of the sums (so the loop cannot be dropped). Each qdot32 call is
-// sizeof(QVec) multiply-adds, two integer operations each; each fmadd adds 0 times 1 to its accumulator's index.
+// `iters` rounds of kDots qdot32 calls and kFmas fmadd calls, each on accumulators of its own, on each of
+// `num_threads` workers; returns a checksum of the sums (so the loop cannot be dropped). Each qdot32 call is
+// sizeof(QVec) multiply-adds, two integer operations each; each fmadd adds 0 times 1 to its accumulator's index, the
+// multiplier and addend read through volatiles so the compiler cannot fold the loop away, and the sums stay exact.
 template <int kDots, int kFmas>
 inline int64_t dot_loop(int64_t iters, int64_t num_threads) {
-  static_assert(kDots > 0 && kFmas >= 0, "dot products, and multiply-adds beside them");
-  TORCH_CHECK(iters > 0 && num_threads > 0, "qdot_peak: iters and num_threads must be positive");
+  static_assert(kDots >= 0 && kFmas >= 0 && kDots + kFmas > 0, "dot products, multiply-adds, or both");
+  TORCH_CHECK(iters > 0 && num_threads > 0, "peak probe: iters and num_threads must be positive");
   std::atomic<int64_t> checksum{0};
   at::parallel_for(0, num_threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -39,7 +40,8 @@ inline int64_t dot_loop(int64_t iters, int64_t num_threads) {
         xbytes[i] = static_cast<uint8_t>(i % 2 == 0 ? 1 : 0xFF);  // +1, -1
       }
       const simd::QVec codes = simd::byte_quad(cbytes), x = simd::byte_quad(xbytes);
-      simd::QAcc32 acc[kDots];  // distinct starting sums: kDots chains the compiler cannot merge into one
+      // distinct starting sums: kDots chains the compiler cannot merge into one
+      simd::QAcc32 acc[kDots > 0 ? kDots : 1];
       for (int a = 0; a < kDots; ++a) {
         int32_t start[sizeof(simd::QAcc32) / 4];
         for (auto& v : start) v = a;
@@ -93,31 +95,9 @@ inline std::vector<int64_t> dot_fma_mix_counts() {
 // integer operations one qdot_peak round of one thread does
 inline int64_t qdot_peak_ops_per_iter() { return int64_t(kAccs) * int64_t(sizeof(simd::QVec)) * 2; }
 
-// `iters` rounds of kAccs fmadd calls on each of `num_threads` workers; returns a checksum of the sums. Each
-// accumulator starts at its index and adds 0 times 1: the multiplier and addend come through volatile reads,
-// so the compiler cannot fold the loop away, and the sums stay exact.
-inline int64_t fma_peak(int64_t iters, int64_t num_threads) {
-  TORCH_CHECK(iters > 0 && num_threads > 0, "fma_peak: iters and num_threads must be positive");
-  std::atomic<int64_t> checksum{0};
-  at::parallel_for(0, num_threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      volatile float one = 1.0f, zero = 0.0f;
-      const simd::Vec b = simd::set1(one), c = simd::set1(zero);
-      simd::Vec acc[kAccs];
-      for (int a = 0; a < kAccs; ++a) acc[a] = simd::set1(static_cast<float>(a));
-      for (int64_t i = 0; i < iters; ++i)
-        for (int a = 0; a < kAccs; ++a) acc[a] = simd::fmadd(acc[a], b, c);
-      float out[simd::kLanes];
-      int64_t sum = 0;
-      for (int a = 0; a < kAccs; ++a) {
-        simd::store(out, acc[a]);
-        for (int l = 0; l < simd::kLanes; ++l) sum += static_cast<int64_t>(out[l]);
-      }
-      checksum += sum;
-    }
-  });
-  return checksum.load();
-}
+// `iters` rounds of kAccs fmadd calls on each of `num_threads` workers (dot_loop's multiply-adds alone); returns a
+// checksum of the sums, kLanes times the accumulators' indices.
+inline int64_t fma_peak(int64_t iters, int64_t num_threads) { return dot_loop<0, kAccs>(iters, num_threads); }
 
 // floating-point operations one fma_peak round of one thread does (a multiply-add is two)
 inline int64_t fma_peak_flops_per_iter() { return int64_t(kAccs) * simd::kLanes * 2; }
