@@ -113,6 +113,12 @@ def main() -> None:
         "--vllm-dtype", default="auto", help="float32 or bfloat16 (auto: its best on this CPU)"
     )
     parser.add_argument(
+        "--vllm-avx2-only",
+        action="store_true",
+        help="vLLM's kernels and torch's as on a CPU without AVX-512 (its AVX2 library; auto dtype float32): the "
+        "peer beside TOKENMILL_CPU_ISA=avx2 or avxvnni",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=2048,
@@ -162,12 +168,15 @@ def main() -> None:
 
         dtype = args.vllm_dtype
         if dtype == "auto":
-            dtype = vllm_peer.best_dtype(set(variants.read_cpu_info()[1]))
+            dtype = (
+                "float32" if args.vllm_avx2_only else vllm_peer.best_dtype(set(variants.read_cpu_info()[1]))
+            )
         hf_dir = vllm_peer.export_hf_dir(gguf)
-        result = vllm_peer.run_vllm(args.vllm_python, hf_dir, requests, dtype)
+        result = vllm_peer.run_vllm(args.vllm_python, hf_dir, requests, dtype, avx2_only=args.vllm_avx2_only)
         assert result["num_output_tokens"] == [m for _, m in requests], result["num_output_tokens"]
         vl = result["elapsed_s"]
-        print(f"vLLM CPU ({dtype}, {hf_dir}): {vl:.1f} s ({num_out / vl:.1f} output tok/s)")
+        kernels = ", AVX2 only" if args.vllm_avx2_only else ""
+        print(f"vLLM CPU ({dtype}{kernels}, {hf_dir}): {vl:.1f} s ({num_out / vl:.1f} output tok/s)")
         for quantization, tm in times_s.items():
             print(f"tokenmill ({quantization}) / vLLM speed: {vl / tm:.2f}x")
 

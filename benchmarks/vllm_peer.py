@@ -67,6 +67,28 @@ def _preloads(vllm_python: str) -> str:
     return ":".join(str(path) for path in candidates if path.exists())
 
 
+# vLLM as an AVX2-only CPU runs it: its wheel picks its AVX2 kernel library when torch.cpu says the CPU has no
+# AVX-512, and torch's, oneDNN's and MKL's own kernels take their caps from the environment (AVX2_ONLY_ENV). A
+# sitecustomize on vLLM's path answers torch.cpu's two checks in every process vLLM starts.
+AVX2_ONLY_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+_AVX2_ONLY_SITE = """import torch.cpu
+
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+def _avx2_only_site(directory: Path) -> Path:
+    """A folder holding the sitecustomize that hides AVX-512 from vLLM's kernel choice."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(_AVX2_ONLY_SITE)
+    return directory
+
+
 def run_vllm(
     vllm_python: str,
     hf_dir: Path,
@@ -74,14 +96,19 @@ def run_vllm(
     dtype: str,
     max_model_len: int = 2048,
     kv_cache_gib: int = 4,
+    avx2_only: bool = False,
 ) -> dict[str, Any]:
-    """Time vLLM on the requests in its own interpreter; returns {"elapsed_s", "num_output_tokens", "log_tail"}."""
+    """Time vLLM on the requests in its own interpreter; returns {"elapsed_s", "num_output_tokens", "log_tail"}.
+    ``avx2_only``: its kernels and torch's as on a CPU without AVX-512."""
     job = {"hf_dir": str(hf_dir), "dtype": dtype, "max_model_len": max_model_len, "requests": requests}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
     preload = _preloads(vllm_python)
     if preload:
         env["LD_PRELOAD"] = preload
     env.pop("PYTHONPATH", None)  # vLLM's environment, not tokenmill's
+    if avx2_only:
+        env.update(AVX2_ONLY_ENV)
+        env["PYTHONPATH"] = str(_avx2_only_site(CACHE_DIR.parent / "avx2-only-site"))
     proc = subprocess.run(
         [vllm_python, str(Path(__file__).resolve())],
         input=json.dumps(job),
