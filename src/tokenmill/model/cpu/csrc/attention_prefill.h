@@ -5,8 +5,8 @@
 // of query tokens of one sequence and one KV head shares them, as two small matrix products per tile:
 //   scores [R, L] = Q [R, D] @ K^T [D, L]     (R = tokens x the G query heads of the KV head)
 //   out    [R, D] = softmax(scores) @ V [L, D]
-// The keys and values visible to the tile are copied once per (sequence, KV head) out of the cache, as K^T in
-// panels of kPanel keys ([D, kPanel] each) and V [L, D], so both products go through panel_linear.h's register
+// The keys and values visible to the tile are copied once per (sequence, KV head) and thread out of the cache, as
+// K^T in panels of kPanel keys ([D, kPanel] each) and V [L, D], so both products go through panel_linear.h's register
 // block (a panel of K^T, or a window of kPanel columns of V): per step two vector loads feed kPanelMaxRows
 // broadcasts and twice as many FMAs (8 and 16 on AVX-512, 6 and 12 on AVX2).
 // Causality: row r (token at position p) keeps keys 0..p; the rest of its scores are zeroed after the softmax,
@@ -25,6 +25,7 @@
 
 #include "attention_decode.h"
 #include "panel_linear.h"
+#include "work_units.h"
 
 namespace {
 
@@ -40,7 +41,8 @@ struct PrefillScratch {
 
 // One tile: tokens [j0, j1) of sequence `seq`, whose query tokens start at flat row q_start, the first at
 // position first_pos, total_len = first_pos + its query tokens; KV head h. q/out [T, Hq, D].
-// A thread runs the tiles of one (sequence, KV head) in order, so K^T only grows: each key is transposed once.
+// A thread keeps the K^T and V it copied for one (sequence, KV head) while its tiles come: a later tile copies the keys
+// past those, an earlier one none (keys past its own are then in the panels, never read).
 template <class Cache>
 inline void prefill_tile(const float* q, float* out, const Cache& c, const int64_t* block_table, int64_t seq,
                          int64_t q_start, int64_t first_pos, int64_t total_len, int64_t j0, int64_t j1, int64_t h,
@@ -49,7 +51,7 @@ inline void prefill_tile(const float* q, float* out, const Cache& c, const int64
   const int64_t BS = c.block_size;
   const int64_t num_keys = first_pos + j1;              // keys the tile's last token sees
   const int64_t R = (j1 - j0) * G;                      // query rows: token-major, then head
-  if (s.seq != seq || s.head != h || s.num_keys > num_keys) {
+  if (s.seq != seq || s.head != h) {
     s.seq = seq, s.head = h, s.num_keys = 0;
     s.ld = (total_len + kPanel - 1) / kPanel * kPanel;  // keys padded to whole panels
     s.kt.assign(D * s.ld, 0.f);
@@ -76,7 +78,7 @@ inline void prefill_tile(const float* q, float* out, const Cache& c, const int64
     for (int64_t i = 0; i < n; ++i) simd::kv_row_to_float<K>(vb + i * ts, D, s.v.data() + (t0 + i) * D);
     t0 += n;
   }
-  s.num_keys = num_keys;
+  s.num_keys = std::max(s.num_keys, num_keys);
   // scaled queries [R, D]
   s.q.resize(R * D);
   for (int64_t j = j0; j < j1; ++j)
@@ -165,45 +167,34 @@ inline void paged_prefill_(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
   const int64_t* sp = sq.data_ptr<int64_t>();
   const int64_t n = sq.size(0), max_blocks = bt.size(1), num_blocks = k_cache.size(0);
   for (int64_t i = 0; i < bt.numel(); ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "block id out of range");
-  // Work items: (sequence, KV head, tile of up to kPrefillTileTokens tokens), tiles of a (sequence, head) adjacent
-  // so that a thread running several reuses its K^T and V.
-  std::vector<int64_t> item_seq, item_head, item_j0;
-  std::vector<double> cost_before{0.0};  // cost_before[i]: the work of items < i, as query tokens x keys seen
+  // Work items: (sequence, KV head, tile of up to kPrefillTileTokens tokens), the costliest first (query tokens x keys
+  // seen: a causal tile's grows with its position), taken by the threads as they come free (work_units.h); a
+  // sequence's heads alternate, so that each thread tends to stay on one and reuse its K^T and V.
+  struct Item {
+    int64_t seq, head, j0;
+    double cost;
+  };
+  std::vector<Item> items;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t start = sp[i * 4], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], table = sp[i * 4 + 3];
     TORCH_CHECK(start >= 0 && len > 0 && start + len <= T && first_pos >= 0 && table >= 0 && table < bt.size(0) &&
                     first_pos + len <= max_blocks * BS,
                 "seqs row out of range");
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t j0 = 0; j0 < len; j0 += kPrefillTileTokens) {
-        item_seq.push_back(i);
-        item_head.push_back(h);
-        item_j0.push_back(j0);
+    for (int64_t j0 = 0; j0 < len; j0 += kPrefillTileTokens)
+      for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t j1 = std::min(len, j0 + kPrefillTileTokens);
-        cost_before.push_back(cost_before.back() + double(j1 - j0) * double(first_pos + j1 + kPanel));
+        items.push_back({i, h, j0, double(j1 - j0) * double(first_pos + j1 + kPanel)});
       }
   }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // The threads take contiguous runs of items of equal cost, not of equal count: a causal tile's cost grows with
-  // its position, and an equal count left one of 2 threads a third more work on a 1,024-token prompt.
-  const int64_t num_parts = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(item_seq.size()));
-  const double total_cost = cost_before.back();
-  auto first_item = [&](int64_t part) {
-    if (part >= num_parts) return static_cast<int64_t>(item_seq.size());
-    const double target = total_cost * double(part) / double(num_parts);
-    return static_cast<int64_t>(std::lower_bound(cost_before.begin(), cost_before.end() - 1, target) -
-                                cost_before.begin());
-  };
   with_paged_cache(k_cache, v_cache, [&](const auto& cache) {
-    at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-      PrefillScratch scratch;
-      for (int64_t item = first_item(part_begin); item < first_item(part_end); ++item) {
-        const int64_t i = item_seq[item], len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2], j0 = item_j0[item];
-        prefill_tile(qp, op, cache, tp + sp[i * 4 + 3] * max_blocks, i, sp[i * 4], first_pos, first_pos + len, j0,
-                     std::min(len, j0 + kPrefillTileTokens), item_head[item], Hq, static_cast<float>(scale),
-                     scratch);
-      }
+    parallel_units_with<PrefillScratch>(static_cast<int64_t>(items.size()), [&](PrefillScratch& scratch, int64_t u) {
+      const Item& it = items[u];
+      const int64_t i = it.seq, len = sp[i * 4 + 1], first_pos = sp[i * 4 + 2];
+      prefill_tile(qp, op, cache, tp + sp[i * 4 + 3] * max_blocks, i, sp[i * 4], first_pos, first_pos + len, it.j0,
+                   std::min(len, it.j0 + kPrefillTileTokens), it.head, Hq, static_cast<float>(scale), scratch);
     });
   });
 }

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "simd.h"
+#include "work_units.h"
 
 namespace {
 
@@ -102,20 +103,17 @@ inline void panel_linear_raw(const float* x, int64_t M, int64_t K, const float* 
   // Rows go in blocks of about kPanelRowBlockBytes of x, each block through all of a thread's panels, so the
   // block stays in L2 while the panels stream past (a decode step is one block).
   const int64_t block_rows = panel_block_rows(kPanelRowBlockBytes, K);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m1 = std::min(M, m0 + block_rows);
-      const int64_t num_chunks = (m1 - m0 + kPanelMaxRows - 1) / kPanelMaxRows;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t ncols = std::min(kPanel, N - p * kPanel);
-        const float* panel = panels + p * K * kPanel;
-        int64_t m = m0;
-        for (int64_t c = 0; c < num_chunks; ++c) {
-          const int64_t rows = (m1 - m) / (num_chunks - c);  // near-equal chunks of at most kPanelMaxRows
-          panel_block_n<kPanelMaxRows, true>(static_cast<int>(rows), x + m * K, K, panel, kPanel, K,
-                                             y + m * N + p * kPanel, N, ncols);
-          m += rows;
-        }
+  parallel_tiles<NoState>(P, M, block_rows, [&](NoState&, int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
+    const int64_t num_chunks = (m1 - m0 + kPanelMaxRows - 1) / kPanelMaxRows;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t ncols = std::min(kPanel, N - p * kPanel);
+      const float* panel = panels + p * K * kPanel;
+      int64_t m = m0;
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t rows = (m1 - m) / (num_chunks - c);  // near-equal chunks of at most kPanelMaxRows
+        panel_block_n<kPanelMaxRows, true>(static_cast<int>(rows), x + m * K, K, panel, kPanel, K,
+                                           y + m * N + p * kPanel, N, ncols);
+        m += rows;
       }
     }
   });

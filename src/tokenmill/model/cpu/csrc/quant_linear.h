@@ -34,7 +34,9 @@
 // bits on the exact path too. The factored quad layouts (4, 5, 7, 9) with flag 64 (kLayoutGroupActs) take their
 // 8-bit activations rounded per group of 32 instead of per super-block of 256.
 //
-// The kernel: each thread takes a contiguous run of tiles (read once, in storage order, prefetched 32 KB ahead).
+// The kernel: for a decode step each thread takes a contiguous run of tiles (read once, in storage order, prefetched
+// 32 KB ahead); more rows go in units of a block of rows times a run of tiles, taken as the threads come free
+// (work_units.h).
 // Up to kQFusedRows rows of x (decode steps, speculative verification) multiply the weights as they are expanded in
 // registers, an outer product per input, scale and min once per group (fused_row, fused_rows); more rows (prefill) expand each tile into an fp32 panel and run panel_linear's
 // register-blocked kernel over it: once per call when the rows are more than one ~256 KB block of x (the
@@ -58,6 +60,7 @@
 #include "elementwise.h"
 #include "panel_linear.h"
 #include "simd.h"
+#include "work_units.h"
 
 namespace {
 
@@ -628,9 +631,10 @@ inline void quantize_acts(const Rows& rows, int64_t M, int64_t K, int64_t scale_
   constexpr int64_t kGroup = Q4Quad::kGroup;
   TORCH_CHECK(scale_group % kGroup == 0 && scale_group <= kMaxScaleGroup, "scale group ", scale_group);
   const int64_t G = K / kGroup, span = scale_group / kGroup;  // groups of 32 that share a scale
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  constexpr int64_t kUnitRows = 16;
+  parallel_units((M + kUnitRows - 1) / kUnitRows, [&](int64_t u) {
     alignas(64) float buf[kMaxScaleGroup];
-    for (int64_t m = m0; m < m1; ++m)
+    for (int64_t m = u * kUnitRows; m < std::min(M, (u + 1) * kUnitRows); ++m)
       for (int64_t g0 = 0; g0 < G; g0 += span) {
         const float* vals = rows.values(m, g0 * kGroup, span * kGroup, buf);  // the span's inputs
         Vec amax = zero();
@@ -1036,19 +1040,17 @@ inline void quant_linear_q8(const Rows& rows, const float* x, int64_t M, const Q
   const Q8Acts super_acts = w.q8_super_acts ? per_super.round(rows, M, K, kMaxScaleGroup) : Q8Acts{};
   const int64_t block_rows = rows_per_block(kPanelRowBlockBytes, K, kQ8Rows);  // K bytes of codes a row
   const RowSums xsum(x, all_q8 ? 0 : M, K, block_rows);  // for the exact parts' small blocks
-  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> panel;  // an expanded tile of an exact part, for more than kQFusedRows rows
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m1 = std::min(M, m0 + block_rows);
-      w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
-        if (part.q8_rows) {
-          part.q8_rows(part.super_acts ? super_acts : group_acts, m0, m1, tile, y + col, N, ncols);
-        } else {
-          if (M > kQFusedRows && panel.empty()) panel.resize(K * kPanel);
-          part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
-        }
-      });
-    }
+  // panel: an expanded tile of an exact part, for more than kQFusedRows rows
+  parallel_tiles<std::vector<float>>(w.num_tiles(), M, block_rows, [&](auto& panel, int64_t t0, int64_t t1, int64_t m0,
+                                                                        int64_t m1) {
+    w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
+      if (part.q8_rows) {
+        part.q8_rows(part.super_acts ? super_acts : group_acts, m0, m1, tile, y + col, N, ncols);
+      } else {
+        if (M > kQFusedRows && panel.size() < size_t(K * kPanel)) panel.resize(K * kPanel);
+        part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
+      }
+    });
   });
 }
 
@@ -1069,27 +1071,25 @@ constexpr int64_t kQChunkRows = panel_block_rows(kQTileBlockBytes, kQChunkInputs
 inline void quant_linear_chunked(const float* x, int64_t M, const QuantMatrix& w, float* y) {
   const int64_t K = w.k, N = w.n;
   const RowSums xsum(x, M, K, kQChunkRows);  // a last block small enough for fused_row(s)
-  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> panel;  // one tile's piece of K, expanded
+  // panel: one tile's piece of K, expanded
+  parallel_tiles<std::vector<float>>(w.num_tiles(), M, kQChunkRows, [&](auto& panel, int64_t t0, int64_t t1,
+                                                                         int64_t m0, int64_t m1) {
     if (panel.size() < size_t(kQChunkInputs * kPanel)) panel.resize(kQChunkInputs * kPanel);
-    for (int64_t m0 = 0; m0 < M; m0 += kQChunkRows) {
-      const int64_t m1 = std::min(M, m0 + kQChunkRows);
-      const bool few = m1 - m0 <= kQFusedRows;
-      for (int64_t k0 = 0; k0 < K; k0 += few ? K : kQChunkInputs) {
-        const int64_t k1 = std::min(K, k0 + kQChunkInputs);
-        w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
-          float* out = y + col;
-          if (few) {
-            part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, nullptr, out, N, ncols);
-            return;
-          }
-          part.expand_groups(tile, k0 / part.group, k1 / part.group, panel.data());
-          if (k0 == 0)
-            panel_rows<false, false>(x, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
-          else
-            panel_rows<false, true>(x + k0, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
-        });
-      }
+    const bool few = m1 - m0 <= kQFusedRows;
+    for (int64_t k0 = 0; k0 < K; k0 += few ? K : kQChunkInputs) {
+      const int64_t k1 = std::min(K, k0 + kQChunkInputs);
+      w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
+        float* out = y + col;
+        if (few) {
+          part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, nullptr, out, N, ncols);
+          return;
+        }
+        part.expand_groups(tile, k0 / part.group, k1 / part.group, panel.data());
+        if (k0 == 0)
+          panel_rows<false, false>(x, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
+        else
+          panel_rows<false, true>(x + k0, K, m0, m1, k1 - k0, panel.data(), out, N, ncols);
+      });
     }
   });
 }
@@ -1112,30 +1112,35 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
   }
   const int64_t tile_block_rows = panel_block_rows(kQTileBlockBytes, K);
   const RowSums xsum(x, M, K, tile_block_rows);  // the tile-by-tile path's blocks (the other needs no sums)
-  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
-    if (M > block_rows && (t1 - t0) * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {
-      // More than one block of rows: expand the thread's tiles once, then run them as panel_linear does
-      // per thread, kept across calls: a fresh multi-MB buffer per call cost its page faults (~8% at 1,024 rows)
-      thread_local std::vector<float> panels;
-      if (panels.size() < size_t((t1 - t0) * K * kPanel)) panels.resize((t1 - t0) * K * kPanel);
+  const int64_t share = (w.num_tiles() + at::get_num_threads() - 1) / at::get_num_threads();  // a thread's tiles
+  if (M > block_rows && share * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {
+    // More than one block of rows: every tile expanded once, then the blocks of rows go through the expanded tiles
+    // as panel_linear's go through its panels. The calling thread's buffer, kept across calls: a fresh multi-MB
+    // buffer per call cost its page faults (~8% at 1,024 rows)
+    thread_local std::vector<float> panels;
+    const int64_t tile_floats = K * kPanel;
+    if (panels.size() < size_t(w.num_tiles() * tile_floats)) panels.resize(w.num_tiles() * tile_floats);
+    float* expanded = panels.data();
+    parallel_tiles<NoState>(w.num_tiles(), M, M, [&](NoState&, int64_t t0, int64_t t1, int64_t, int64_t) {
       w.for_each_tile(t0, t1, [&](int64_t t, const QuantPart& part, const uint8_t* tile, int64_t, int64_t) {
-        part.expand_panel(tile, part.num_groups, panels.data() + (t - t0) * K * kPanel);
+        part.expand_panel(tile, part.num_groups, expanded + t * tile_floats);
       });
-      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-        const int64_t m1 = std::min(M, m0 + block_rows);
-        w.for_each_tile(t0, t1, [&](int64_t t, const QuantPart&, const uint8_t*, int64_t col, int64_t ncols) {
-          panel_rows<true>(x, K, m0, m1, K, panels.data() + (t - t0) * K * kPanel, y + col, N, ncols);
-        });
-      }
-      return;
-    }
-    std::vector<float> panel(M > kQFusedRows ? K * kPanel : 0);  // an expanded tile (prefill only)
-    for (int64_t m0 = 0; m0 < M; m0 += tile_block_rows) {
-      const int64_t m1 = std::min(M, m0 + tile_block_rows);
-      w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
-        part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
+    });
+    parallel_tiles<NoState>(w.num_tiles(), M, block_rows, [&](NoState&, int64_t t0, int64_t t1, int64_t m0,
+                                                              int64_t m1) {
+      w.for_each_tile(t0, t1, [&](int64_t t, const QuantPart&, const uint8_t*, int64_t col, int64_t ncols) {
+        panel_rows<true>(x, K, m0, m1, K, expanded + t * tile_floats, y + col, N, ncols);
       });
-    }
+    });
+    return;
+  }
+  // panel: an expanded tile (prefill only)
+  parallel_tiles<std::vector<float>>(w.num_tiles(), M, tile_block_rows, [&](auto& panel, int64_t t0, int64_t t1,
+                                                                             int64_t m0, int64_t m1) {
+    if (M > kQFusedRows && panel.size() < size_t(K * kPanel)) panel.resize(K * kPanel);
+    w.for_each_tile(t0, t1, [&](int64_t, const QuantPart& part, const uint8_t* tile, int64_t col, int64_t ncols) {
+      part.tile_rows(x, xsum.data(), m0, m1, K, tile, part.num_groups, panel.data(), y + col, N, ncols);
+    });
   });
 }
 
