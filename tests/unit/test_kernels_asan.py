@@ -29,6 +29,7 @@ KERNEL_TESTS = [
     "tests/unit/test_attention.py",
     "tests/unit/test_lora_kernel.py",
     "tests/unit/test_hardware_probe.py",
+    "tests/unit/test_thread_counts.py",
 ]
 
 
