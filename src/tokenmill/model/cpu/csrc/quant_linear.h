@@ -75,9 +75,10 @@ constexpr int kQSplit = 4;                                 // independent sums p
 // Software prefetch distance into L2, every cache line of a group: as small_linear.h found, the hardware
 // prefetchers alone keep too few lines in flight for a decode step to read at memory speed.
 constexpr int64_t kQPrefetchBytes = 32768;
-// Beyond one block of x rows a thread expands all its tiles once, up to this many bytes of fp32 panels (the
-// LM head's 113 MB or a gate/up projection's 55 MB would not fit: they go tile by tile).
-constexpr int64_t kQExpandOnceBytes = 16 << 20;
+// Beyond one block of x rows a call expands every tile once, into the calling thread's buffer (kept across calls), up
+// to this many bytes of fp32 panels (the 1.5B's qkv projection, 12.6 MB, fits; its LM head's 933 MB or gate/up
+// projection's 110 MB would not: they go tile by tile).
+constexpr int64_t kQExpandOnceBytes = 32 << 20;
 // Past that, each tile is expanded once per block of x rows of this many bytes: 1 MB, 170 rows of the 1.5B's 1,536
 // inputs, where panel_linear's 256 KB (40 rows) expanded a gate/up tile 26 times for 1,024 rows. The 1.5B's gate/up
 // projection at 1,024 rows on the exact path: 1.08-1.12x with blocks of 1, 2 and 8 MB (all rows), alternated with
@@ -153,19 +154,18 @@ struct Fmt {
     }
     return p;
   }
+  static_assert(Bits != 4 || kMin, "4-bit groups have a min");
+  // one input's codes (rows 0 .. kLanes - 1, kLanes .. kPanel - 1) as weights: code * scale (+ min), one rounding
+  static void weights(simd::Vec q0, simd::Vec q1, const Params& p, simd::Vec& w0, simd::Vec& w1) {
+    if constexpr (kMin)
+      w0 = simd::fmadd(q0, p.s0, p.m0), w1 = simd::fmadd(q1, p.s1, p.m1);
+    else
+      w0 = simd::mul(q0, p.s0), w1 = simd::mul(q1, p.s1);
+  }
   static void expand(const uint8_t* g, int64_t d, const Params& p, simd::Vec& w0, simd::Vec& w1) {
-    using namespace simd;
-    const uint8_t* c = g + kHead + d * kInputBytes;
-    if constexpr (Bits == 4) {
-      static_assert(kMin, "4-bit groups have a min");
-      Vec lo, hi;
-      u4_to_float(c, lo, hi);
-      w0 = fmadd(lo, p.s0, p.m0), w1 = fmadd(hi, p.s1, p.m1);
-    } else if constexpr (kMin) {
-      w0 = fmadd(i8_to_float(c), p.s0, p.m0), w1 = fmadd(i8_to_float(c + kLanes), p.s1, p.m1);
-    } else {
-      w0 = mul(i8_to_float(c), p.s0), w1 = mul(i8_to_float(c + kLanes), p.s1);
-    }
+    simd::Vec q0, q1;
+    codes(g, d, q0, q1);
+    weights(q0, q1, p, w0, w1);
   }
   // input d's codes as floats, unscaled (the one-row path applies scale and min once per group)
   static void codes(const uint8_t* g, int64_t d, simd::Vec& q0, simd::Vec& q1) {
@@ -346,7 +346,7 @@ inline void expand_groups(const uint8_t* tile, int64_t g0, int64_t g1, float* pa
         F::quad_codes(grp, u, q0, q1);
         for (int j = 0; j < 4; ++j) {
           simd::Vec w0, w1;
-          F::scale_codes(q0[j], q1[j], p, w0, w1);
+          F::weights(q0[j], q1[j], p, w0, w1);
           simd::store(out + (4 * u + j) * kPanel, w0), simd::store(out + (4 * u + j) * kPanel + simd::kLanes, w1);
         }
       }
@@ -583,13 +583,6 @@ struct QuadExact : Q {
     q0[1] = simd::quad_input<1>(w0, Q::kBias), q1[1] = simd::quad_input<1>(w1, Q::kBias);
     q0[2] = simd::quad_input<2>(w0, Q::kBias), q1[2] = simd::quad_input<2>(w1, Q::kBias);
     q0[3] = simd::quad_input<3>(w0, Q::kBias), q1[3] = simd::quad_input<3>(w1, Q::kBias);
-  }
-  // one input's codes as weights, as Fmt::expand
-  static void scale_codes(simd::Vec q0, simd::Vec q1, const typename Q::Params& p, simd::Vec& w0, simd::Vec& w1) {
-    if constexpr (Q::kHasMin)
-      w0 = simd::fmadd(q0, p.s0, p.m0), w1 = simd::fmadd(q1, p.s1, p.m1);
-    else
-      w0 = simd::mul(q0, p.s0), w1 = simd::mul(q1, p.s1);
   }
 };
 
@@ -1095,8 +1088,8 @@ inline void quant_linear_chunked(const float* x, int64_t M, const QuantMatrix& w
 }
 
 // y [M, N] = x [M, K] @ W^T for a parsed quantized W; x and y contiguous.
-// expand_once_bytes: the most bytes of fp32 panels a thread expands once per call (kQExpandOnceBytes; the tests
-// set it to reach both paths at small shapes).
+// expand_once_bytes: the most bytes of fp32 panels a call expands once (kQExpandOnceBytes; the tests set it to reach
+// both paths at small shapes).
 inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, float* y,
                              int64_t expand_once_bytes = kQExpandOnceBytes) {
   if (M == 0) return;
@@ -1112,16 +1105,15 @@ inline void quant_linear_raw(const float* x, int64_t M, const QuantMatrix& w, fl
   }
   const int64_t tile_block_rows = panel_block_rows(kQTileBlockBytes, K);
   const RowSums xsum(x, M, K, tile_block_rows);  // the tile-by-tile path's blocks (the other needs no sums)
-  const int64_t share = (w.num_tiles() + at::get_num_threads() - 1) / at::get_num_threads();  // a thread's tiles
-  if (M > block_rows && share * K * kPanel * int64_t(sizeof(float)) <= expand_once_bytes) {
+  const int64_t tile_floats = K * kPanel;
+  if (M > block_rows && w.num_tiles() * tile_floats * int64_t(sizeof(float)) <= expand_once_bytes) {
     // More than one block of rows: every tile expanded once, then the blocks of rows go through the expanded tiles
     // as panel_linear's go through its panels. The calling thread's buffer, kept across calls: a fresh multi-MB
     // buffer per call cost its page faults (~8% at 1,024 rows)
     thread_local std::vector<float> panels;
-    const int64_t tile_floats = K * kPanel;
     if (panels.size() < size_t(w.num_tiles() * tile_floats)) panels.resize(w.num_tiles() * tile_floats);
     float* expanded = panels.data();
-    parallel_tiles<NoState>(w.num_tiles(), M, M, [&](NoState&, int64_t t0, int64_t t1, int64_t, int64_t) {
+    parallel_runs<NoState>(w.num_tiles(), [&](NoState&, int64_t t0, int64_t t1) {
       w.for_each_tile(t0, t1, [&](int64_t t, const QuantPart& part, const uint8_t* tile, int64_t, int64_t) {
         part.expand_panel(tile, part.num_groups, expanded + t * tile_floats);
       });

@@ -38,6 +38,21 @@ constexpr int64_t kRunsPerThread = 16;
 // at::parallel_for splits them: a decode step streams its run from memory, and its prefetches run ahead through it.
 constexpr int64_t kStaticRows = 32;
 
+// Tiles per run: enough runs that the last unit's wait is small against the call.
+inline int64_t tile_run(int64_t num_tiles) {
+  return std::max<int64_t>(1, num_tiles / (int64_t(at::get_num_threads()) * kRunsPerThread));
+}
+
+// fn(state, t0, t1) for runs of tiles [t0, t1) that cover [0, num_tiles), taken as the threads come free: work on
+// the tiles alone (expanding each once), no rows.
+template <class State, class Fn>
+inline void parallel_runs(int64_t num_tiles, const Fn& fn) {
+  const int64_t run = tile_run(num_tiles), num_runs = (num_tiles + run - 1) / run;
+  parallel_units_with<State>(num_runs, [&](State& state, int64_t u) {
+    fn(state, u * run, std::min(num_tiles, (u + 1) * run));
+  });
+}
+
 // fn(state, t0, t1, m0, m1) for tiles [t0, t1) times rows [m0, m1), over num_tiles tiles and M rows in blocks of
 // block_rows: with at most kStaticRows rows one run of tiles a thread, every block in turn; with more, units of one
 // block times a run of tiles, taken as the threads come free, the blocks in order (both threads on one block of
@@ -52,7 +67,7 @@ inline void parallel_tiles(int64_t num_tiles, int64_t M, int64_t block_rows, con
     });
     return;
   }
-  const int64_t run = std::max<int64_t>(1, num_tiles / (int64_t(at::get_num_threads()) * kRunsPerThread));
+  const int64_t run = tile_run(num_tiles);
   const int64_t num_runs = (num_tiles + run - 1) / run;
   parallel_units_with<State>((M + block_rows - 1) / block_rows * num_runs, [&](State& state, int64_t u) {
     const int64_t t0 = u % num_runs * run, m0 = u / num_runs * block_rows;
