@@ -4,9 +4,9 @@ A decode step splits each matmul into one share per thread and waits for the las
 small units the threads take as they come free, ``csrc/work_units.h``, so a slowed thread costs a prefill only the
 share it does not take). When another process holds one of the cores, the thread on it runs a fraction of the time
 and every decode step waits for it: on 2 cores the 135M decoded at 35.7 tokens/s with 2 threads against 122.7 with 1
-(AMD EPYC family 26). The governor compares the
-steps' efficiency (their roofline bound over their wall time, ``tokenmill.measure.roofline``, so a big step and a small
-one compare) at the thread count in use and at one fewer: every ``probe_every`` decode steps it runs
+(AMD EPYC family 26). The governor compares the steps' efficiency (their roofline bound over their wall time,
+``tokenmill.measure.roofline``, so a big step and a small one compare) at the thread count in use and at one fewer:
+every ``probe_every`` decode steps it runs
 ``probe_steps`` steps at the other count and keeps whichever was faster by more than ``margin``. A count that
 keeps winning is probed more rarely (the interval doubles up to ``max_probe_every``), so on a quiet machine the
 probes cost about ``probe_steps / max_probe_every`` of the steps at the slower count; a sudden slowdown (a decode
