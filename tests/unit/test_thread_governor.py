@@ -4,6 +4,7 @@ on whether a neighbour holds a core; with the kernel's load counters simulated t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -360,6 +361,12 @@ def test_the_load_is_the_cores_busy_time_less_this_process(tmp_path) -> None:
     assert load.other_cores() == pytest.approx((hz + hz // 2) / hz - 0.5)
     now[0], own[0] = 2.0, 1.5  # nothing busier, yet this process ran: never below 0
     assert load.other_cores() == 0.0
+    # a window of 0.1 s whose counters moved by 4.5 s (ticks counted late): never more than every CPU
+    write(
+        [100 + 3 * hz, 0, 20, 900, 5, 1, 1, 3, 0, 0], [50 + 3 * hz, 10, 10, 950 + hz // 2, 0, 0, 0, 0, 0, 0]
+    )
+    now[0] = 2.1
+    assert load.other_cores() == 2.0
     stat.unlink()
     now[0] = 3.0
     assert load.other_cores() is None  # the counters gone
@@ -371,6 +378,6 @@ def test_this_process_has_a_reading_on_linux() -> None:
         assert load is None
         return
     assert load is not None and load.num_cpus == len(os.sched_getaffinity(0))
-    load.min_window_s = 0.0
+    time.sleep(load.min_window_s)
     reading = load.other_cores()
     assert reading is not None and 0.0 <= reading <= load.num_cpus + 0.5

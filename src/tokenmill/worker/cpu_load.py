@@ -74,7 +74,8 @@ class CpuLoad:
     def other_cores(self) -> float | None:
         """Cores' worth of CPU time other processes took over the last window (never below 0): read anew once
         ``min_window_s`` has passed since the last reading, else that reading again; None before the first reading
-        and once the counters stop reading."""
+        and once the counters stop reading. At most every CPU: the counters move in clock ticks (10 ms each), so a
+        window of a few ticks can read more busy time than it lasted."""
         if self._clock() - self._last[0] < self.min_window_s:
             return self._reading
         try:
@@ -84,5 +85,5 @@ class CpuLoad:
             return None
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
         self._last = now
-        self._reading = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+        self._reading = min(float(self.num_cpus), max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0)))
         return self._reading
